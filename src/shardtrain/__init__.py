@@ -1,2 +1,114 @@
-"""shardtrain: a distributed training engine for PyTorch."""
+"""shardtrain: a distributed training engine for PyTorch.
+
+One training script runs unchanged on one process, on N processes of one machine or on
+many machines. The API and the JSON config follow DeepSpeed's names.
+
+Example:
+    >>> import shardtrain
+    >>> engine, optimizer, loader, scheduler = shardtrain.initialize(
+    ...     model=model, config="train.json", training_data=dataset)
+    >>> for x, y in loader:
+    ...     loss = engine(x, y)
+    ...     engine.backward(loss)
+    ...     engine.step()
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional, Tuple
+
+import torch
+
+from . import accelerator, comm
+from .comm import destroy, init_distributed
+from .config import ConfigError, ShardConfig, load_config
+from .engine import Engine
+from .log import log_dist, log_dist_once
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
+    "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm", "accelerator",
+    "__version__",
+]
+
+
+def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.nn.Module] = None,
+               optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port: int = 29500, mpu=None, dist_init_required: Optional[bool] = None,
+               collate_fn=None, config=None, config_params=None
+               ) -> Tuple[Engine, Any, Any, Any]:
+    """Builds the training engine around ``model``.
+
+    Args:
+        args: an argparse namespace; its ``deepspeed_config`` names the config file when
+            ``config`` is not given (DeepSpeed scripts keep working).
+        model: the ``torch.nn.Module`` to train.
+        optimizer: a ``torch.optim.Optimizer``, a callable taking the parameters, or None to
+            build the config's ``optimizer`` block.
+        model_parameters: the parameters (or param groups) the optimizer updates; default
+            all of the model's.
+        training_data: a map-style dataset; a loader over this rank's share is returned.
+        lr_scheduler: a scheduler, a callable taking the optimizer, or None for the config's
+            ``scheduler`` block.
+        collate_fn: for the returned loader.
+        config: a dict, a path to a JSON file, or base64 JSON (``config_params`` is an alias).
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``; the last three may be None.
+
+    Example:
+        >>> engine, opt, _, _ = shardtrain.initialize(
+        ...     model=net, config={"train_micro_batch_size_per_gpu": 10,
+        ...                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=: the torch.nn.Module to train.")
+    if mpu is not None:
+        raise NotImplementedError("initialize(mpu=...): model parallelism is not supported by "
+                                  "shardtrain; pass mpu=None.")
+    config = _resolve_config_source(args, config, config_params)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    cfg = config if isinstance(config, ShardConfig) else load_config(config, comm.get_world_size())
+    engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+                    lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank  # DeepSpeed overwrites it with the env value too
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _resolve_config_source(args, config, config_params):
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and args is not None:
+        from_args = getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError("Two configs were given: --deepspeed_config on the command line and "
+                         "config= in initialize(); keep one.")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("initialize() needs a config: pass config=<dict or path to JSON>, or "
+                         "--deepspeed_config <path> with args=.")
+    return config
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds DeepSpeed's launcher arguments (``--deepspeed``, ``--deepspeed_config``, and the
+    deprecated ``--deepscale``/``--deepscale_config``) so DeepSpeed scripts parse unchanged.
+
+    Example:
+        >>> parser = shardtrain.add_config_arguments(argparse.ArgumentParser())
+        >>> args = parser.parse_args(["--deepspeed_config", "ds.json"])
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Flag for the script's own use (shardtrain ignores it).")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="Path to the JSON config.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated alias of --deepspeed.")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated alias of --deepspeed_config.")
+    return parser

@@ -1,0 +1,412 @@
+"""The training engine: forward, backward and step around a user's model.
+
+The engine orchestrates; it issues no collective and never branches on device type. Where
+data lives and how it moves is the ZeRO strategy's job, numeric formats the precision
+policy's, and the optimizer and schedule come from ``optim``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import accelerator, comm
+from .config import ShardConfig
+from .data import ShardedDataLoader, is_map_dataset
+from .log import log_dist
+from .memory import count_bytes
+from .optim import build_optimizer, build_scheduler
+from .precision import LossScaler, MasterWeights, Precision, build_loss_scaler
+from .zero import DataParallel, ReduceSettings
+
+OptimizerArg = Union[None, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
+
+
+class _BackwardEntry(torch.autograd.Function):
+    """Identity on the model's outputs whose backward is the first thing autograd runs.
+
+    It lets a plain ``loss.backward()`` behave like ``engine.backward(loss)``: it applies
+    the loss scale (which ``engine.backward`` applies to the loss itself instead), and it
+    queues the end-of-backward callback from the outermost graph task, where it fires
+    once, after every gradient (also those of reentrant checkpointed regions) has landed.
+    """
+
+    @staticmethod
+    def forward(ctx, engine: "Engine", *tensors: torch.Tensor):
+        ctx.engine = engine
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        factor = ctx.engine._enter_backward()
+        if factor != 1.0:
+            grads = tuple(None if g is None else g * factor for g in grads)
+        return (None, *grads)
+
+
+class Engine(torch.nn.Module):
+    """Wraps a model for data-parallel training; built by :func:`shardtrain.initialize`.
+
+    Example:
+        >>> engine, optimizer, loader, scheduler = shardtrain.initialize(
+        ...     model=model, config={"train_batch_size": 20, "optimizer": {"type": "AdamW"}})
+        >>> loss = engine(x, y)       # forward under the configured precision
+        >>> engine.backward(loss)     # or loss.backward(): the same gradients
+        >>> engine.step()             # updates at the accumulation boundary
+    """
+
+    def __init__(self, model: torch.nn.Module, config: ShardConfig,
+                 optimizer: OptimizerArg = None, model_parameters=None,
+                 lr_scheduler=None, training_data=None, collate_fn=None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got "
+                            f"{type(model).__name__}.")
+        self.module = model
+        self.config = config
+        self.global_rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()
+        self.world_size = comm.get_world_size()
+        self.device = accelerator.device()
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._global_grad_norm: Optional[float] = None
+        self._boundary_override: Optional[bool] = None
+        self._inside_step = False
+        self._no_sync_depth = 0
+        self._in_engine_backward = False
+        self._callback_queued = False
+        self._backward_calls = 0
+        self._last_print = (time.perf_counter(), 0)
+
+        self._precision = Precision.from_config(config, self.device.type)
+        self._scaler: LossScaler = build_loss_scaler(config, self._precision)
+        self._build_module()
+        trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
+        self._master = MasterWeights(trainable) if self._precision.master_weights else None
+        self.optimizer = self._build_optimizer(optimizer, model_parameters)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self._strategy = self._build_strategy(trainable)
+        self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _build_module(self) -> None:
+        self.module.to(self.device)
+        if self._precision.master_weights:
+            # Only parameters change dtype; buffers (e.g. norm statistics) keep theirs.
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    if p.is_floating_point():
+                        p.data = p.data.to(self._precision.param_dtype)
+        # Replicas must start identical; rank 0's initialisation wins.
+        comm.broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()))
+
+    def _build_optimizer(self, optimizer: OptimizerArg, model_parameters):
+        params = list(model_parameters) if model_parameters is not None \
+            else list(self.module.parameters())
+        if isinstance(optimizer, torch.optim.Optimizer):
+            built = optimizer
+        elif callable(optimizer):
+            built = optimizer(params)
+        elif optimizer is not None:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, a callable taking the "
+                            f"parameters, or None; got {type(optimizer).__name__}.")
+        elif self.config.optimizer is not None:
+            spec = {"type": self.config.optimizer.type, "params": self.config.optimizer.params}
+            built = build_optimizer(spec, params)
+        else:
+            return None
+        if self._master is not None:
+            self._master.adopt(built)
+        return built
+
+    def _build_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+            if not callable(lr_scheduler):
+                raise TypeError(f"lr_scheduler must be a scheduler, a callable taking the "
+                                f"optimizer, or None; got {type(lr_scheduler).__name__}.")
+            lr_scheduler = lr_scheduler(self.optimizer)
+        if lr_scheduler is None and self.config.scheduler is not None:
+            if self.optimizer is None:
+                raise ValueError("The config has a 'scheduler' block but no optimizer was given "
+                                 "or configured: add an 'optimizer' block or pass optimizer=.")
+            spec = {"type": self.config.scheduler.type, "params": self.config.scheduler.params}
+            lr_scheduler = build_scheduler(spec, self.optimizer)
+        return lr_scheduler
+
+    def _build_strategy(self, trainable: List[torch.nn.Parameter]) -> DataParallel:
+        cfg, zero = self.config, self.config.zero_optimization
+        reduce = ReduceSettings(self.world_size, cfg.gradient_allreduce_op,
+                                cfg.prescale_gradients, cfg.gradient_predivide_factor,
+                                cfg.comm_dtype())
+        return DataParallel(trainable, int(zero.reduce_bucket_size), bool(zero.overlap_comm),
+                            reduce, self._should_reduce)
+
+    def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
+        if training_data is None:
+            return None
+        if not is_map_dataset(training_data):
+            raise TypeError(f"training_data must be a map-style dataset (with __len__ and "
+                            f"__getitem__), got {type(training_data).__name__}.")
+        return ShardedDataLoader(training_data, self.train_micro_batch_size_per_gpu(),
+                                 self.global_rank, self.world_size, collate_fn,
+                                 self.config.dataloader_drop_last)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with accelerator.range("shardtrain.forward"):
+            inputs, kwargs = self._prepare_inputs(inputs, kwargs)
+            grad_on = torch.is_grad_enabled()
+            if grad_on:
+                self._strategy.begin_forward()
+            with self._precision.autocast(self.device.type):
+                outputs = self.module(*inputs, **kwargs)
+            return self._hook_outputs(outputs) if grad_on else outputs
+
+    def _prepare_inputs(self, inputs, kwargs):
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                return self._precision.cast_input(x.to(self.device, non_blocking=True))
+            return x
+        return pytree.tree_map(move, (inputs, kwargs))
+
+    def _hook_outputs(self, outputs):
+        leaves, spec = pytree.tree_flatten(outputs)
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
+                 and x.requires_grad and x.is_floating_point()]
+        if not slots:
+            return outputs
+        hooked = _BackwardEntry.apply(self, *[leaves[i] for i in slots])
+        for i, tensor in zip(slots, hooked):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def _should_reduce(self) -> bool:
+        return self._no_sync_depth == 0 and self.is_gradient_accumulation_boundary()
+
+    def _enter_backward(self) -> float:
+        """Called by the output hook as backward starts; returns the gradient factor."""
+        self._backward_calls += 1 if not self._in_engine_backward else 0
+        if self._should_reduce() and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return 1.0 if self._in_engine_backward else self._scaler.scale
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._strategy.finish_reduction(self.gradient_accumulation_steps())
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagates ``loss``; gradients are averaged across ranks at the boundary.
+
+        Gradients are averaged over ranks and accumulation steps when they are reduced, so
+        ``engine.backward(loss)`` and ``loss.backward()`` give identical gradients.
+
+        Returns:
+            the loss divided by ``gradient_accumulation_steps`` (detached), as DeepSpeed does.
+        """
+        self._require_optimizer("backward")
+        gas = self.gradient_accumulation_steps()
+        factor = self._scaler.scale * (1 if scale_wrt_gas else gas)
+        with accelerator.range("shardtrain.backward"):
+            self._in_engine_backward = True
+            self._backward_calls += 1
+            try:
+                (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+            finally:
+                self._in_engine_backward = False
+            if self._should_reduce():  # a loss not derived from the outputs skips the hook
+                self._strategy.finish_reduction(gas)
+        return loss.detach() / gas if scale_wrt_gas else loss.detach()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skips gradient averaging for backward passes inside; they accumulate locally."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # -- step -------------------------------------------------------------------------------
+
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        """Counts a micro-step; at the accumulation boundary also updates the parameters."""
+        self._require_optimizer("step")
+        if self._no_sync_depth:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(): leave the "
+                               "no_sync() block for the last micro-batch before stepping.")
+        with accelerator.range("shardtrain.step"):
+            self._step_applied = False
+            self._inside_step = True
+            try:
+                if self.is_gradient_accumulation_boundary():
+                    self._take_model_step(lr_kwargs)
+            finally:
+                self._inside_step = False
+            self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
+        self._strategy.finish_reduction(self.gradient_accumulation_steps())
+        grads = self._optimizer_grads()
+        overflow = self._unscale_and_clip(grads)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            if self._master is not None:
+                self._master.copy_to_params()
+            self._strategy.after_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._scaler.update(overflow)
+        self._step_applied = not overflow
+        self._clear_grads()
+        self._advance_counters()
+
+    def _optimizer_grads(self) -> List[torch.Tensor]:
+        """The fp32 gradients the optimizer will read (master gradients in 16-bit modes)."""
+        grads = self._strategy.step_grads()
+        if self._master is None:
+            return [g for g in grads if g is not None]
+        self._master.load_grads(grads)
+        return self._master.master_grads()
+
+    def _unscale_and_clip(self, grads: List[torch.Tensor]) -> bool:
+        """Unscales, measures the global norm, clips; returns True on inf/NaN (overflow)."""
+        scale, clip = self._scaler.scale, self.config.gradient_clipping
+        if scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        if clip <= 0 and not self._precision.check_overflow:
+            self._global_grad_norm = None
+            return False
+        norm = self._strategy.global_norm(grads, self.device)
+        self._global_grad_norm = norm_value = norm.item()  # the one host sync of the step
+        if self._precision.check_overflow and not math.isfinite(norm_value):
+            self._global_grad_norm = float("inf")
+            return True
+        if clip > 0 and grads:
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return False
+
+    def _clear_grads(self) -> None:
+        if self._master is not None:
+            self._master.release_grads()
+        self._strategy.zero_grads()
+
+    def _advance_counters(self) -> None:
+        self.global_steps += 1
+        if self.config.managed_gradient_accumulation:
+            self.global_samples += self.train_batch_size()
+        else:
+            per_backward = self.train_batch_size() // self.gradient_accumulation_steps()
+            self.global_samples += per_backward * max(self._backward_calls, 1)
+        self._backward_calls = 0
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0:
+            self._print_progress()
+
+    def _print_progress(self) -> None:
+        now, samples = time.perf_counter(), self.global_samples
+        then, before = self._last_print
+        self._last_print = (now, samples)
+        rate = (samples - before) / max(now - then, 1e-9)
+        lrs = ", ".join(f"{lr:.4g}" for lr in self.get_lr())
+        log_dist(f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lrs}] "
+                 f"loss_scale={self._scaler.scale:g} samples/s={rate:.1f}", ranks=[0])
+
+    def zero_grad(self) -> None:
+        """Drops the gradients accumulated since the last step."""
+        self._clear_grads()
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.{what}() needs an optimizer: pass optimizer= to "
+                               f"initialize() or add an 'optimizer' block to the config.")
+
+    # -- queries (DeepSpeed names) ----------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if not self.config.managed_gradient_accumulation:
+            return self._inside_step
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides the boundary (sticky: set it before every backward)."""
+        if not self.config.managed_gradient_accumulation:
+            raise RuntimeError("set_gradient_accumulation_boundary() needs "
+                               "managed_gradient_accumulation: true.")
+        self._boundary_override = bool(is_boundary)
+
+    def get_lr(self) -> List[float]:
+        if self.optimizer is None:
+            return []
+        return [float(g.get("lr", 0.0)) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The unscaled global gradient norm before clipping at the last step (inf after an
+        overflow); None before the first step or when nothing needed the norm."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_loss_scale(self) -> float:
+        return self._scaler.scale
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        return self._scaler
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self._strategy.stage
+
+    def model_state_bytes(self) -> Dict[str, int]:
+        """Bytes of model states this rank holds: parameters, gradients, optimizer states
+        and master weights, each distinct storage counted once."""
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None] + self._strategy.state_tensors()
+        masters = self._master.masters if self._master is not None else []
+        states = [v for s in (self.optimizer.state.values() if self.optimizer else [])
+                  for v in s.values() if isinstance(v, torch.Tensor)]
+        return count_bytes({"params": params, "grads": grads, "master": masters,
+                            "optimizer": states})
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+
+def _unique(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out

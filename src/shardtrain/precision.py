@@ -1,0 +1,167 @@
+"""Numeric precision: what dtype the model lives in, autocast, master weights, loss scaling.
+
+Three modes, chosen by the config:
+
+* fp32 (default): parameters, gradients and optimizer states in fp32.
+* ``bf16`` / ``fp16``: module parameters are stored in 16 bits; the optimizer updates fp32
+  master copies, which are copied back into the module after every step. fp16 adds dynamic
+  loss scaling. Floating inputs are cast to the parameter dtype in forward.
+* ``torch_autocast``: the module stays in fp32 and forward runs under ``torch.autocast``;
+  fp16 autocast also gets loss scaling.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+logger = logging.getLogger("shardtrain")
+
+
+class LossScaler:
+    """Loss scale with DeepSpeed's dynamic rules (window, hysteresis, floor).
+
+    On overflow the scale halves (once hysteresis is spent) and the step is skipped; after
+    ``window`` clean steps since the last overflow it doubles. A static scaler only skips.
+    """
+
+    def __init__(self, init_scale: float = 1.0, dynamic: bool = False, window: int = 1000,
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False,
+                 min_scale: float = 1.0):
+        self.scale = float(init_scale)
+        self.dynamic = dynamic
+        self.window = window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = float(min_scale)
+        self._cur_iter = 0
+        self._last_overflow_iter = -1
+        self._cur_hysteresis = hysteresis
+
+    def update(self, overflow: bool) -> None:
+        """Advances the scale after a boundary step that did (or did not) overflow."""
+        if self.dynamic:
+            self._update_dynamic(overflow)
+        self._cur_iter += 1
+
+    def _update_dynamic(self, overflow: bool) -> None:
+        if overflow:
+            if self.hysteresis == 1 or self._cur_hysteresis == 1:
+                if self.scale <= self.min_scale:
+                    raise RuntimeError(
+                        f"fp16 gradients overflow at the minimum loss scale {self.min_scale:g}: "
+                        "training diverged. Lower the learning rate, enable gradient_clipping, "
+                        "use bf16, or lower fp16.min_loss_scale.")
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self._cur_hysteresis -= 1
+            self._last_overflow_iter = self._cur_iter
+            return
+        if self.consecutive_hysteresis:
+            self._cur_hysteresis = self.hysteresis
+        clean = self._cur_iter - self._last_overflow_iter - 1
+        if clean > 0 and clean % self.window == 0:
+            self.scale *= 2
+            if not self.consecutive_hysteresis:
+                self._cur_hysteresis = self.hysteresis
+
+    def state_dict(self) -> Dict[str, float]:
+        return {"scale": self.scale, "cur_iter": self._cur_iter,
+                "last_overflow_iter": self._last_overflow_iter,
+                "cur_hysteresis": self._cur_hysteresis}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self._cur_iter = int(state["cur_iter"])
+        self._last_overflow_iter = int(state["last_overflow_iter"])
+        self._cur_hysteresis = int(state["cur_hysteresis"])
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision policy the engine follows; built once from the config."""
+
+    param_dtype: torch.dtype = torch.float32
+    autocast_dtype: Optional[torch.dtype] = None
+    check_overflow: bool = False
+
+    @property
+    def master_weights(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    @classmethod
+    def from_config(cls, cfg, device_type: str) -> "Precision":
+        if cfg.fp16.enabled:
+            return cls(torch.float16, None, True)
+        if cfg.bf16.enabled:
+            return cls(torch.bfloat16, None, cfg.bf16.check_grad_overflow)
+        if cfg.torch_autocast.enabled:
+            # No dtype means torch.autocast's own default: bf16 on the CPU, fp16 on CUDA.
+            dtype = cfg.torch_autocast.dtype or torch.get_autocast_dtype(device_type)
+            return cls(torch.float32, dtype, dtype == torch.float16)
+        return cls()
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """The forward context. With autocast off in the config it is switched off, so a
+        caller's surrounding autocast does not leak into the model (DeepSpeed does the same).
+        """
+        if self.autocast_dtype is None:
+            return torch.autocast(device_type, enabled=False)
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+    def cast_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.master_weights and tensor.is_floating_point():
+            return tensor.to(self.param_dtype)
+        return tensor
+
+
+def build_loss_scaler(cfg, precision: Precision) -> LossScaler:
+    """fp16 (and fp16 autocast) get a loss scale; everything else a constant 1."""
+    uses_fp16 = precision.param_dtype == torch.float16 or precision.autocast_dtype == torch.float16
+    if not uses_fp16:
+        return LossScaler()
+    fp16 = cfg.fp16
+    if fp16.loss_scale > 0:
+        return LossScaler(init_scale=fp16.loss_scale, dynamic=False)
+    return LossScaler(init_scale=2.0 ** fp16.initial_scale_power, dynamic=True,
+                      window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                      consecutive_hysteresis=fp16.consecutive_hysteresis,
+                      min_scale=fp16.min_loss_scale)
+
+
+class MasterWeights:
+    """fp32 copies of 16-bit parameters, which the optimizer updates in their place.
+
+    The optimizer's param groups are re-pointed at the masters (hyperparameters kept), so
+    a client optimizer built on ``model.parameters()`` keeps working unchanged.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter]):
+        self.params = params
+        self.masters = [torch.nn.Parameter(p.detach().float().clone(), p.requires_grad)
+                        for p in params]
+        self._by_id = {id(p): m for p, m in zip(params, self.masters)}
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["params"] = [self._by_id.get(id(p), p) for p in group["params"]]
+
+    def load_grads(self, grads: List[Optional[torch.Tensor]]) -> None:
+        """Gives each master the fp32 value of its parameter's (reduced) gradient."""
+        for master, grad in zip(self.masters, grads):
+            master.grad = None if grad is None else grad.float()
+
+    def master_grads(self) -> List[torch.Tensor]:
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def release_grads(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        if self.params:
+            torch._foreach_copy_(self.params, self.masters)

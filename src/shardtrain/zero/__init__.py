@@ -1,0 +1,5 @@
+"""ZeRO strategies: where parameters, gradients and optimizer states live, and the
+collectives that move them. One strategy per stage, over shared bucketing helpers."""
+from .stage0 import DataParallel, ReduceSettings
+
+__all__ = ["DataParallel", "ReduceSettings"]

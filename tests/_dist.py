@@ -1,0 +1,117 @@
+"""Runs a function on N real processes (gloo on CPU) and brings back their results.
+
+One call starts one process group; the function it runs usually checks many cases, so a
+test module pays for process start-up once. Every run has a deadline: a hang fails in
+seconds with each rank's output instead of blocking the suite.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, target: str, kwargs: Dict[str, Any],
+           results, log_path: str, extra_env: Dict[str, str]) -> None:
+    log = open(log_path, "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "SHARDTRAIN_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    os.environ.update(extra_env)
+    torch.set_num_threads(1)
+    try:
+        import shardtrain
+        shardtrain.init_distributed()
+        module_name, fn_name = target.split(":")
+        fn = getattr(importlib.import_module(module_name), fn_name)
+        value = fn(rank=rank, world_size=world_size, **kwargs)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+        shardtrain.destroy()
+    except BaseException:  # report every failure, then exit non-zero
+        traceback.print_exc()
+        results.put((rank, "error", traceback.format_exc()))
+        sys.exit(1)
+
+
+def run_ranks(target: str, world_size: int, timeout: float = 180.0,
+              env: Optional[Dict[str, str]] = None, **kwargs: Any) -> List[Any]:
+    """Runs ``module:function(rank=, world_size=, **kwargs)`` on ``world_size`` processes.
+
+    Returns the per-rank return values (loaded with ``torch.load``), in rank order.
+    Raises RanksFailed with every rank's output on an error, a crash or the deadline.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    logdir = tempfile.mkdtemp(prefix="shardtrain-ranks-")
+    logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, kwargs, results,
+                                              logs[r], env or {}), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RanksFailed(f"{target} on {world_size} ranks timed out after "
+                                      f"{timeout:.0f}s\n" + _read_logs(logs))
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    time.sleep(0.5)  # let a failing rank's report arrive first
+                    if results.empty():
+                        raise RanksFailed(f"{target}: a rank exited with code "
+                                          f"{dead[0].exitcode}\n" + _read_logs(logs))
+                continue
+            if status == "error":
+                raise RanksFailed(f"{target} failed on rank {rank}:\n{payload}\n"
+                                  + _read_logs(logs))
+            got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world_size)]
+
+
+def _read_logs(logs: List[str]) -> str:
+    parts = []
+    for rank, path in enumerate(logs):
+        try:
+            with open(path) as f:
+                text = f.read()[-6000:]
+        except OSError:
+            text = "(no output)"
+        parts.append(f"----- rank {rank} -----\n{text}")
+    return "\n".join(parts)

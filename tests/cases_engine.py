@@ -1,0 +1,390 @@
+"""Engine cases run on every rank of one process group, and their single-process references.
+
+``run_all`` runs each case on every rank and returns ``{case: result or traceback}``. The
+test module compares the results with ``reference(...)`` computed in plain PyTorch on the
+same global batch.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardtrain
+from shardtrain import comm
+
+IN, HIDDEN, OUT = 8, 16, 4
+
+
+class Net(nn.Module):
+    """A small MLP; optionally with a frozen bias and a parameter no forward uses."""
+
+    def __init__(self, frozen: bool = False, unused: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, OUT)
+        if frozen:
+            self.fc1.bias.requires_grad_(False)
+        self.spare = nn.Linear(OUT, OUT) if unused else None
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make_model(seed: int = 0, **kw) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+def make_data(steps: int, gas: int, world: int, micro: int, seed: int = 1):
+    """Inputs [steps, gas, world, micro, IN] and labels; the global batch of (step, micro
+    step) is the concatenation over ranks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps, gas, world, micro, IN, generator=g)
+    y = torch.randint(0, OUT, (steps, gas, world, micro), generator=g)
+    return x, y
+
+
+def base_config(micro: int = 5, gas: int = 1, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
+    cfg.update(extra)
+    return cfg
+
+
+# -- the reference ---------------------------------------------------------------------------
+
+def reference(model: nn.Module, data, optimizer: Callable, clip: float = 0.0,
+              scheduler: Optional[Callable] = None) -> Dict[str, Any]:
+    """Plain single-process training on each global batch: the mean loss over all ranks'
+    and micro-steps' samples, one optimizer step per global batch."""
+    x, y = data
+    steps, gas, world = x.shape[:3]
+    opt = optimizer(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    losses, lrs = torch.zeros(steps, gas, world), []
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        lrs.append([g["lr"] for g in opt.param_groups])
+        for k in range(gas):
+            for r in range(world):
+                loss = F.cross_entropy(model(x[s, k, r]), y[s, k, r])
+                (loss / (gas * world)).backward()
+                losses[s, k, r] = loss.detach()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched:
+            sched.step()
+    return {"losses": losses, "params": _params(model), "lrs": lrs}
+
+
+def _params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+# -- running the engine ----------------------------------------------------------------------
+
+def train(engine, data, rank: int, use_engine_backward: bool = True,
+          inject: Optional[Callable] = None) -> Dict[str, Any]:
+    x, y = data
+    steps, gas = x.shape[:2]
+    losses = torch.zeros(steps, gas)
+    lrs, norms, applied = [], [], []
+    for s in range(steps):
+        lrs.append(engine.get_lr())
+        for k in range(gas):
+            if inject:
+                inject(engine, s, k)
+            loss = F.cross_entropy(engine(x[s, k, rank]).float(), y[s, k, rank])
+            if use_engine_backward:
+                engine.backward(loss)
+            else:
+                loss.backward()
+            engine.step()
+            losses[s, k] = loss.detach()
+        norms.append(engine.get_global_grad_norm())
+        applied.append(engine.was_step_applied())
+    return {"losses": losses, "params": _params(engine.module), "lrs": lrs, "norms": norms,
+            "applied": applied, "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples, "skipped": engine.skipped_steps,
+            "micro_steps": engine.micro_steps, "scale": engine.get_loss_scale()}
+
+
+def engine_for(model, config, **kw):
+    engine, *_ = shardtrain.initialize(model=model, config=config, **kw)
+    return engine
+
+
+# -- cases -----------------------------------------------------------------------------------
+
+CASES: Dict[str, Callable] = {}
+
+
+def case(fn):
+    CASES[fn.__name__[len("case_"):]] = fn
+    return fn
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+@case
+def case_plain(rank, world):
+    data = make_data(4, 1, world, 5)
+    return train(engine_for(make_model(), base_config()), data, rank)
+
+
+@case
+def case_accum_engine_backward(rank, world):
+    data = make_data(3, 4, world, 3)
+    return train(engine_for(make_model(), base_config(micro=3, gas=4)), data, rank)
+
+
+@case
+def case_accum_plain_backward(rank, world):
+    data = make_data(3, 4, world, 3)
+    return train(engine_for(make_model(), base_config(micro=3, gas=4)), data, rank,
+                 use_engine_backward=False)
+
+
+@case
+def case_accum3_both_paths(rank, world):
+    """engine.backward and loss.backward give bit-identical training, gas not a power of 2."""
+    data = make_data(2, 3, world, 3)
+    a = train(engine_for(make_model(), base_config(micro=3, gas=3)), data, rank)
+    b = train(engine_for(make_model(), base_config(micro=3, gas=3)), data, rank,
+              use_engine_backward=False)
+    return {"same": all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+            and torch.equal(a["losses"], b["losses"])}
+
+
+@case
+def case_clipping(rank, world):
+    data = make_data(4, 2, world, 3)
+    cfg = base_config(micro=3, gas=2, gradient_clipping=0.05,
+                      optimizer={"type": "SGD", "params": {"lr": 2.0}})
+    return train(engine_for(make_model(), cfg), data, rank)
+
+
+@case
+def case_frozen(rank, world):
+    data = make_data(3, 1, world, 4)
+    return train(engine_for(make_model(frozen=True), base_config(micro=4)), data, rank)
+
+
+@case
+def case_unused(rank, world):
+    data = make_data(3, 1, world, 4)
+    engine = engine_for(make_model(unused=True), base_config(micro=4))
+    out = train(engine, data, rank)
+    out["spare_state"] = len(engine.optimizer.state.get(engine.module.spare.weight, {}))
+    return out
+
+
+@case
+def case_tied_gpt(rank, world):
+    import gpt
+    cfg = gpt.gpt_config("tiny")
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (3, world, 2, cfg.block_size + 1), generator=g)
+    engine = engine_for(model, base_config(micro=2))
+    losses = []
+    for s in range(3):
+        batch = tokens[s, rank]
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    tied = engine.module.lm_head.weight is engine.module.tok_emb.weight
+    return {"losses": losses, "params": _params(engine.module), "tied": tied}
+
+
+@case
+def case_schedulers(rank, world):
+    data = make_data(6, 1, world, 2)
+    out = {}
+    for name, params in SCHEDULES.items():
+        cfg = base_config(micro=2, scheduler={"type": name, "params": params})
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.01}}
+        out[name] = train(engine_for(make_model(), cfg), data, rank)
+    return out
+
+
+SCHEDULES = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
+                 "warmup_type": "linear"},
+    "WarmupDecayLR": {"total_num_steps": 6, "warmup_max_lr": 0.01, "warmup_num_steps": 2},
+    "WarmupCosineLR": {"total_num_steps": 6, "warmup_num_steps": 2},
+    "OneCycle": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 2,
+                 "cycle_momentum": False},
+    "StepLR": {"step_size": 2, "gamma": 0.5},
+}
+
+
+@case
+def case_fp16_overflow(rank, world):
+    """Rank 1 (only) gets an inf gradient on step 2: every rank must skip that step."""
+    data = make_data(4, 1, world, 4)
+    cfg = base_config(micro=4, fp16={"enabled": True, "initial_scale_power": 8,
+                                     "hysteresis": 1})
+    engine = engine_for(make_model(), cfg)
+    params_before = {}
+
+    def inject(engine, s, k):
+        if s == 2:
+            params_before.update(_params(engine.module))
+            if rank == 1:
+                w = engine.module.fc2.weight
+                handle = w.register_hook(lambda g: torch.full_like(g, math.inf))
+                inject.handle = handle
+        elif s == 3 and getattr(inject, "handle", None):
+            inject.handle.remove()
+
+    out = train(engine, data, rank, inject=inject)
+    out["before_skip"] = params_before
+    return out
+
+
+@case
+def case_fp16_static(rank, world):
+    data = make_data(3, 1, world, 4)
+    cfg = base_config(micro=4, fp16={"enabled": True, "loss_scale": 128})
+    return train(engine_for(make_model(), cfg), data, rank)
+
+
+@case
+def case_bf16_vs_fp32(rank, world):
+    x, y = make_data(1, 1, world, 8, seed=5)  # one batch, seen 30 times: learnable
+    data = (x.expand(30, *x.shape[1:]), y.expand(30, *y.shape[1:]))
+    ref = train(engine_for(make_model(), base_config(micro=8)), data, rank)
+    bf = train(engine_for(make_model(), base_config(micro=8, bf16={"enabled": True})),
+               data, rank)
+    e = engine_for(make_model(), base_config(micro=8, bf16={"enabled": True}))
+    dtypes = {str(p.dtype) for p in e.module.parameters()}
+    master = {str(p.dtype) for g in e.optimizer.param_groups for p in g["params"]}
+    return {"fp32": ref["losses"], "bf16": bf["losses"], "param_dtypes": dtypes,
+            "master_dtypes": master}
+
+
+@case
+def case_autocast(rank, world):
+    cfg = base_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})
+    engine = engine_for(make_model(), cfg)
+    out = engine(torch.randn(2, IN))
+    cast = engine_for(make_model(), base_config(fp16={"enabled": True}))
+    half_out = cast(torch.randn(2, IN))
+    plain = engine_for(make_model(), base_config())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_out = plain(torch.randn(2, IN))
+    return {"autocast_out": str(out.dtype),
+            "param_dtype": str(engine.module.fc1.weight.dtype),
+            "fp16_out": str(half_out.dtype), "outer_autocast_off": str(plain_out.dtype)}
+
+
+@case
+def case_comm_pattern(rank, world):
+    """All-reduces happen only on the boundary micro-step, one per bucket, and with
+    overlap_comm the first bucket leaves before backward has produced every gradient."""
+    out = {}
+    for overlap in (True, False):
+        cfg = base_config(micro=2, gas=3, zero_optimization={
+            "stage": 0, "reduce_bucket_size": 70, "overlap_comm": overlap})
+        engine = engine_for(make_model(), cfg)
+        log: List[tuple] = []
+
+        def observe(op, tensor, engine=engine, log=log):
+            arrived = sum(b.arrived for b in engine._strategy.buckets)
+            log.append((op, engine.micro_steps, arrived, tensor.numel()))
+
+        comm.add_observer(observe)
+        try:
+            train(engine, make_data(2, 3, world, 2), rank)
+        finally:
+            comm.remove_observer(observe)
+        out[overlap] = {"log": log, "buckets": len(engine._strategy.buckets),
+                        "nparams": len(engine._strategy.params)}
+    return out
+
+
+@case
+def case_no_sync(rank, world):
+    data = make_data(2, 2, world, 3)
+    x, y = data
+    engine = engine_for(make_model(), base_config(micro=3, gas=2))
+    raised = None
+    for s in range(2):
+        with engine.no_sync():
+            loss = F.cross_entropy(engine(x[s, 0, rank]), y[s, 0, rank])
+            engine.backward(loss)
+            try:
+                engine.step()
+            except RuntimeError as err:
+                raised = str(err)
+        engine.step()  # the refused step() counted nothing: count the micro-step outside
+        loss = F.cross_entropy(engine(x[s, 1, rank]), y[s, 1, rank])
+        engine.backward(loss)
+        engine.step()
+    return {"params": _params(engine.module), "raised": raised}
+
+
+@case
+def case_dataloader(rank, world):
+    dataset = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
+    _, _, loader, _ = shardtrain.initialize(model=make_model(), training_data=dataset,
+                                            config=base_config(micro=4))
+    seen = [batch[0].squeeze(1).long().tolist() for batch in loader]
+    return {"seen": seen, "len": len(loader)}
+
+
+@case
+def case_counters(rank, world):
+    engine = engine_for(make_model(), base_config(micro=2, gas=2))
+    trace = []
+    x = torch.randn(2, IN)
+    for _ in range(4):
+        loss = engine(x).sum()
+        engine.backward(loss)
+        engine.step()
+        trace.append((engine.micro_steps, engine.global_steps, engine.global_samples,
+                      engine.was_step_applied()))
+    return {"trace": trace, "tb": engine.train_batch_size(), "stage":
+            engine.zero_optimization_stage()}
+
+
+@case
+def case_client_objects(rank, world):
+    data = make_data(3, 1, world, 4)
+    cfg = base_config(micro=4)
+    cfg.pop("optimizer")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    a = train(engine_for(model, cfg, optimizer=opt, lr_scheduler=sched), data, rank)
+    b = train(engine_for(make_model(), cfg,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5)),
+              data, rank)
+    return {"instance": a, "callable": b}
+
+
+def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
+    results = {}
+    for name, fn in CASES.items():
+        if only and name not in only:
+            continue
+        try:
+            results[name] = fn(rank, world_size)
+        except Exception:  # reported per case, so one failure does not hide the others
+            results[name] = {"error": traceback.format_exc()}
+        comm.barrier()
+    return results
