@@ -40,7 +40,8 @@ def _entry(rank: int, world_size: int, port: int, target: str, kwargs: Dict[str,
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "SHARDTRAIN_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+                       "OMP_NUM_THREADS": "1"})
+    os.environ.setdefault("SHARDTRAIN_ACCELERATOR", "cpu")
     os.environ.update(extra_env)
     torch.set_num_threads(1)
     try:

@@ -86,7 +86,7 @@ def reference(model: nn.Module, data, optimizer: Callable, clip: float = 0.0,
 
 
 def _params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
 
 
 # -- running the engine ----------------------------------------------------------------------
@@ -102,13 +102,14 @@ def train(engine, data, rank: int, use_engine_backward: bool = True,
         for k in range(gas):
             if inject:
                 inject(engine, s, k)
-            loss = F.cross_entropy(engine(x[s, k, rank]).float(), y[s, k, rank])
+            target = y[s, k, rank].to(engine.device)
+            loss = F.cross_entropy(engine(x[s, k, rank]).float(), target)
             if use_engine_backward:
                 engine.backward(loss)
             else:
                 loss.backward()
             engine.step()
-            losses[s, k] = loss.detach()
+            losses[s, k] = loss.detach().cpu()
         norms.append(engine.get_global_grad_norm())
         applied.append(engine.was_step_applied())
     return {"losses": losses, "params": _params(engine.module), "lrs": lrs, "norms": norms,
@@ -201,7 +202,7 @@ def case_tied_gpt(rank, world):
     losses = []
     for s in range(3):
         batch = tokens[s, rank]
-        loss = engine(batch[:, :-1], batch[:, 1:])
+        loss = engine(batch[:, :-1], batch[:, 1:].to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -324,14 +325,14 @@ def case_no_sync(rank, world):
     raised = None
     for s in range(2):
         with engine.no_sync():
-            loss = F.cross_entropy(engine(x[s, 0, rank]), y[s, 0, rank])
+            loss = F.cross_entropy(engine(x[s, 0, rank]), y[s, 0, rank].to(engine.device))
             engine.backward(loss)
             try:
                 engine.step()
             except RuntimeError as err:
                 raised = str(err)
         engine.step()  # the refused step() counted nothing: count the micro-step outside
-        loss = F.cross_entropy(engine(x[s, 1, rank]), y[s, 1, rank])
+        loss = F.cross_entropy(engine(x[s, 1, rank]), y[s, 1, rank].to(engine.device))
         engine.backward(loss)
         engine.step()
     return {"params": _params(engine.module), "raised": raised}

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from . import accelerator, comm
 from .config import ShardConfig
 from .data import ShardedDataLoader, is_map_dataset
-from .log import log_dist
+from .log import log_dist, log_dist_once, logger
 from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
 from .precision import LossScaler, MasterWeights, Precision, build_loss_scaler
@@ -69,6 +69,7 @@ class Engine(torch.nn.Module):
                             f"{type(model).__name__}.")
         self.module = model
         self.config = config
+        _apply_logging_keys(config)
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
@@ -401,6 +402,14 @@ class Engine(torch.nn.Module):
         self.module.train(mode)
         self.training = mode
         return self
+
+
+def _apply_logging_keys(config: ShardConfig) -> None:
+    if config.log_level:
+        logger.setLevel(config.log_level)
+    if config.vocabulary_size is not None and config.vocabulary_size % 8:
+        log_dist_once(f"vocabulary_size {config.vocabulary_size} is not a multiple of 8: "
+                      "padding it to one makes matrix products faster on tensor cores.")
 
 
 def _unique(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:

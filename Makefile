@@ -1,0 +1,33 @@
+# Developer entry points: `make test`, `make demo`, `make bench`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-cuda bench clean
+
+# Create .venv if missing; (re)install only when the dependency files change.
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -r requirements-dev.txt -e .
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_gpt.py --config examples/configs/demo.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_ddp.py
+
+# Build outputs and caches; .venv and runs/ are kept (rm -rf them by hand).
+clean:
+	rm -rf build dist .pytest_cache src/*.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# The CUDA lane: only the tests marked `cuda` (they need a GPU).
+test-cuda: $(STAMP)
+	$(PY) -m pytest -q -m cuda tests
