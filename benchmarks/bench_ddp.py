@@ -30,6 +30,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2, help="processes (default 2)")
     p.add_argument("--model", default="small", help="examples/gpt.py preset (default small)")
+    p.add_argument("--n-layer", type=int, help="override the preset's layer count")
+    p.add_argument("--n-embd", type=int, help="override the preset's width")
     p.add_argument("--micro", type=int, default=8, help="micro-batch per rank (default 8)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--gas", default="1,4", help="accumulation steps to run (default 1,4)")
@@ -99,8 +101,8 @@ def _worker(rank, world, port, args, gas, queue):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     shardtrain.init_distributed()
-    cfg = gpt.gpt_config(args.model)
-    cfg.block_size = args.seq
+    overrides = {k: v for k, v in (("n_layer", args.n_layer), ("n_embd", args.n_embd)) if v}
+    cfg = gpt.gpt_config(args.model, block_size=args.seq, **overrides)
     device = shardtrain.accelerator.device()
     torch.manual_seed(0)
     ddp_model = DDP(gpt.GPT(cfg).to(device), gradient_as_bucket_view=True,

@@ -179,9 +179,15 @@ class Engine(torch.nn.Module):
             if isinstance(x, torch.Tensor):
                 return self._precision.cast_input(x.to(self.device, non_blocking=True))
             return x
+        if not kwargs and all(isinstance(x, torch.Tensor) for x in inputs):
+            return tuple(move(x) for x in inputs), kwargs  # the common case, without pytree
         return pytree.tree_map(move, (inputs, kwargs))
 
     def _hook_outputs(self, outputs):
+        if isinstance(outputs, torch.Tensor):
+            if outputs.requires_grad and outputs.is_floating_point():
+                return _BackwardEntry.apply(self, outputs)[0]
+            return outputs
         leaves, spec = pytree.tree_flatten(outputs)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                  and x.requires_grad and x.is_floating_point()]

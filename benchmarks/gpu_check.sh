@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One prepared run on a CUDA machine: the CUDA test lane, then the DDP benchmark on the GPU.
+# Logs and JSON go to $OUT (or ./gpu-out). Python packages missing there can travel as
+# wheels in .whl/ (installed into /tmp/site first).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+timeout 240 python3 -m pytest -q -m cuda tests -p no:cacheprovider -x 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+timeout 300 python3 benchmarks/bench_ddp.py --device cuda --world 1 --n-layer 12 --n-embd 768 \
+  --micro 16 --gas 1,4 --blocks 6 --steps 5 --threads 4 --json "$OUT/bench_cuda.json" 2>&1 \
+  | tee "$OUT/bench_cuda.log"
