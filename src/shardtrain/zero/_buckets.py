@@ -65,7 +65,13 @@ class FlatBucket:
         self.launched = False
 
     def write_flags(self) -> None:
-        self.flags.copy_(torch.tensor(self.used, dtype=self.buffer.dtype))
+        # No blocking host-to-device copy here: a pageable copy would stall the host until
+        # the device drained its queue, once per step. The common case is a fill.
+        if all(self.used):
+            self.flags.fill_(1)
+            return
+        host = torch.tensor(self.used, dtype=self.buffer.dtype, pin_memory=self.buffer.is_cuda)
+        self.flags.copy_(host, non_blocking=True)
 
 
 def local_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
