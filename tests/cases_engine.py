@@ -27,13 +27,18 @@ class Net(nn.Module):
     def __init__(self, frozen: bool = False, unused: bool = False):
         super().__init__()
         self.fc1 = nn.Linear(IN, HIDDEN)
+        self.mid = nn.Linear(HIDDEN, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, OUT)
+        self.gain = nn.Parameter(torch.ones(1))  # fewer elements than ranks: empty shards
         if frozen:
             self.fc1.bias.requires_grad_(False)
         self.spare = nn.Linear(OUT, OUT) if unused else None
 
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
+    def forward(self, x, skip_mid: bool = False):
+        h = torch.tanh(self.fc1(x))
+        if not skip_mid:
+            h = torch.tanh(self.mid(h))
+        return self.fc2(h) * self.gain
 
 
 def make_model(seed: int = 0, **kw) -> Net:
@@ -50,39 +55,44 @@ def make_data(steps: int, gas: int, world: int, micro: int, seed: int = 1):
     return x, y
 
 
+STAGE = 0  # the ZeRO stage every case runs at; run_all sets it
+
+
 def base_config(micro: int = 5, gas: int = 1, **extra) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
            "gradient_clipping": 0.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
     cfg.update(extra)
+    cfg["zero_optimization"] = {"stage": STAGE, **cfg.get("zero_optimization", {})}
     return cfg
 
 
 # -- the reference ---------------------------------------------------------------------------
 
 def reference(model: nn.Module, data, optimizer: Callable, clip: float = 0.0,
-              scheduler: Optional[Callable] = None) -> Dict[str, Any]:
+              scheduler: Optional[Callable] = None, skip_mid_rank: int = -1) -> Dict[str, Any]:
     """Plain single-process training on each global batch: the mean loss over all ranks'
     and micro-steps' samples, one optimizer step per global batch."""
     x, y = data
     steps, gas, world = x.shape[:3]
     opt = optimizer(model.parameters())
     sched = scheduler(opt) if scheduler else None
-    losses, lrs = torch.zeros(steps, gas, world), []
+    losses, lrs, norms = torch.zeros(steps, gas, world), [], []
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
         lrs.append([g["lr"] for g in opt.param_groups])
         for k in range(gas):
             for r in range(world):
-                loss = F.cross_entropy(model(x[s, k, r]), y[s, k, r])
+                out = model(x[s, k, r], skip_mid=(r == skip_mid_rank))
+                loss = F.cross_entropy(out, y[s, k, r])
                 (loss / (gas * world)).backward()
                 losses[s, k, r] = loss.detach()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(
+            model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
         if sched:
             sched.step()
-    return {"losses": losses, "params": _params(model), "lrs": lrs}
+    return {"losses": losses, "params": _params(model), "lrs": lrs, "norms": norms}
 
 
 def _params(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -92,7 +102,7 @@ def _params(model: nn.Module) -> Dict[str, torch.Tensor]:
 # -- running the engine ----------------------------------------------------------------------
 
 def train(engine, data, rank: int, use_engine_backward: bool = True,
-          inject: Optional[Callable] = None) -> Dict[str, Any]:
+          inject: Optional[Callable] = None, skip_mid: bool = False) -> Dict[str, Any]:
     x, y = data
     steps, gas = x.shape[:2]
     losses = torch.zeros(steps, gas)
@@ -103,7 +113,8 @@ def train(engine, data, rank: int, use_engine_backward: bool = True,
             if inject:
                 inject(engine, s, k)
             target = y[s, k, rank].to(engine.device)
-            loss = F.cross_entropy(engine(x[s, k, rank]).float(), target)
+            out = engine(x[s, k, rank], skip_mid=skip_mid) if skip_mid else engine(x[s, k, rank])
+            loss = F.cross_entropy(out.float(), target)
             if use_engine_backward:
                 engine.backward(loss)
             else:
@@ -188,6 +199,16 @@ def case_unused(rank, world):
     out = train(engine, data, rank)
     out["spare_state"] = len(engine.optimizer.state.get(engine.module.spare.weight, {}))
     return out
+
+
+@case
+def case_rank_dependent_unused(rank, world):
+    """Rank 1 never uses ``mid``: its buckets fill in another order than rank 0's, yet the
+    collectives must still line up (buckets leave in a fixed order)."""
+    data = make_data(3, 2, world, 3)
+    cfg = base_config(micro=3, gas=2, gradient_clipping=1.0,
+                      zero_optimization={"reduce_bucket_size": 40, "overlap_comm": True})
+    return train(engine_for(make_model(), cfg), data, rank, skip_mid=(rank == 1))
 
 
 @case
@@ -277,18 +298,22 @@ def case_bf16_vs_fp32(rank, world):
             "master_dtypes": master}
 
 
+def linear(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(IN, OUT)
+
+
 @case
 def case_autocast(rank, world):
     cfg = base_config(torch_autocast={"enabled": True, "dtype": "bfloat16"})
-    engine = engine_for(make_model(), cfg)
+    engine = engine_for(linear(), cfg)
     out = engine(torch.randn(2, IN))
-    cast = engine_for(make_model(), base_config(fp16={"enabled": True}))
+    cast = engine_for(linear(), base_config(fp16={"enabled": True}))
     half_out = cast(torch.randn(2, IN))
-    plain = engine_for(make_model(), base_config())
+    plain = engine_for(linear(), base_config())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain_out = plain(torch.randn(2, IN))
-    return {"autocast_out": str(out.dtype),
-            "param_dtype": str(engine.module.fc1.weight.dtype),
+    return {"autocast_out": str(out.dtype), "param_dtype": str(engine.module.weight.dtype),
             "fp16_out": str(half_out.dtype), "outer_autocast_off": str(plain_out.dtype)}
 
 
@@ -299,7 +324,7 @@ def case_comm_pattern(rank, world):
     out = {}
     for overlap in (True, False):
         cfg = base_config(micro=2, gas=3, zero_optimization={
-            "stage": 0, "reduce_bucket_size": 70, "overlap_comm": overlap})
+            "reduce_bucket_size": 70, "overlap_comm": overlap})
         engine = engine_for(make_model(), cfg)
         log: List[tuple] = []
 
@@ -378,7 +403,61 @@ def case_client_objects(rank, world):
     return {"instance": a, "callable": b}
 
 
-def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
+@case
+def case_reduce_scatter_off(rank, world):
+    data = make_data(3, 2, world, 3)
+    cfg = base_config(micro=3, gas=2, zero_optimization={"reduce_scatter": False})
+    return train(engine_for(make_model(), cfg), data, rank)
+
+
+@case
+def case_comm_dtype(rank, world):
+    """bf16 gradients reduced in fp32: the wire carries fp32."""
+    data = make_data(3, 1, world, 4)
+    cfg = base_config(micro=4, bf16={"enabled": True}, communication_data_type="fp32")
+    engine = engine_for(make_model(), cfg)
+    dtypes = set()
+    observer = lambda op, tensor: dtypes.add((op, str(tensor.dtype)))  # noqa: E731
+    comm.add_observer(observer)
+    try:
+        out = train(engine, data, rank)
+    finally:
+        comm.remove_observer(observer)
+    out["wire"] = sorted(dtypes)
+    return out
+
+
+class Wide(nn.Module):
+    """About 0.4M parameters, so that flags and padding are noise next to the states."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(257, 257) for _ in range(6)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@case
+def case_memory(rank, world):
+    out = {}
+    for mode in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        extra = {"bf16": {"enabled": True}} if mode == "bf16" else {}
+        engine = engine_for(Wide(), base_config(micro=2, **extra))
+        for _ in range(2):
+            loss = engine(torch.randn(2, 257)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        out[mode] = {"bytes": engine.model_state_bytes(),
+                     "numel": sum(p.numel() for p in engine.module.parameters())}
+    return out
+
+
+def run_all(rank: int, world_size: int, only: Optional[List[str]] = None,
+            stage: int = 0) -> Dict[str, Any]:
+    global STAGE
+    STAGE = stage
     results = {}
     for name, fn in CASES.items():
         if only and name not in only:

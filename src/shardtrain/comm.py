@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
-    "get_local_rank", "barrier", "all_reduce", "broadcast", "all_gather_object",
+    "get_local_rank", "barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
     "broadcast_object", "Work", "add_observer", "remove_observer",
 ]
 
@@ -222,6 +222,30 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", async_op: bool = False) ->
                  "min": dist.ReduceOp.MIN}[op]
     handle = dist.all_reduce(tensor, op=reduce_op, async_op=async_op)
     return Work(handle)
+
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+    """Sums ``input`` (``world`` equal rows, flattened) across ranks; rank r receives row r
+    in ``output``."""
+    _notify("reduce_scatter", input)
+    if get_world_size() == 1:
+        output.copy_(input.view(-1)[: output.numel()].view_as(output))
+        return Work()
+    return Work(_reduce_scatter_flat(output, input, async_op=async_op))
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+    """Concatenates every rank's ``input`` into ``output`` (rank order)."""
+    _notify("all_gather", input)
+    if get_world_size() == 1:
+        output.view(-1).copy_(input.view(-1))
+        return Work()
+    return Work(_all_gather_flat(output, input, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> None:

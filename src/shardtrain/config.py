@@ -91,7 +91,7 @@ class ConfigError(ValueError):
 # (and, for ZeRO, adding the stage to IMPLEMENTED_ZERO_STAGES); nothing else has to change.
 # --------------------------------------------------------------------------------------------
 
-IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0})
+IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2})
 
 #: Dotted key -> what the feature is. A planned key is accepted only at its default (disabled)
 #: value; any other value raises ConfigError. Object-valued blocks without a model here
@@ -157,11 +157,6 @@ PLANNED: Dict[str, str] = {
 #: Tuning keys of the ZeRO stages that are not implemented yet: planned like the rest (refused
 #: at a non-default value), listed apart so that each stage's change can take its own out.
 STAGE_TUNING_KEYS: Dict[str, str] = {
-    "zero_optimization.contiguous_gradients": "ZeRO 1-3 gradient layout",
-    "zero_optimization.reduce_scatter": "ZeRO 2-3 reduce-scatter",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "ZeRO 1-2 bucket all-reduce",
-    "zero_optimization.allgather_partitions": "ZeRO 1-2 parameter all-gather",
-    "zero_optimization.allgather_bucket_size": "ZeRO 1-2 parameter all-gather",
     "zero_optimization.load_from_fp32_weights": "ZeRO checkpoints",
     "zero_optimization.elastic_checkpoint": "ZeRO checkpoints",
     "zero_optimization.sub_group_size": "ZeRO-3 sub-groups",
@@ -193,6 +188,12 @@ _ALSO_DISABLED: Dict[str, Tuple[Any, ...]] = {"sequence_parallel_size": (1,)}
 #: Keys shardtrain accepts but does not need, because it never imposes the restriction.
 NO_EFFECT: Dict[str, str] = {
     "zero_allow_untested_optimizer": "shardtrain allows any torch optimizer",
+    "zero_optimization.contiguous_gradients":
+        "gradients are always reduced from contiguous flat buckets",
+    "zero_optimization.use_multi_rank_bucket_allreduce":
+        "stages 1-2 reduce-scatter (or all-reduce, see reduce_scatter) whole buckets",
+    "zero_optimization.allgather_partitions":
+        "updated shards are always all-gathered (a broadcast per rank gives the same result, slower)",
 }
 
 #: Keys DeepSpeed removed: dotted key -> what to use instead. Their presence alone is an error.
@@ -214,7 +215,7 @@ REMOVED_KEYS: Dict[str, str] = {
 }
 
 _STATUS_HONOURED = "honoured"
-_STATUS_NO_EFFECT = "accepted (no effect: shardtrain always allows this)"
+_STATUS_NO_EFFECT = "accepted (no effect: see notes)"
 _STATUS_PLANNED = "planned (refused unless default)"
 _STATUS_REMOVED = "removed (refused)"
 

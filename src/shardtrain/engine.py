@@ -20,8 +20,8 @@ from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
 from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
-from .precision import LossScaler, MasterWeights, Precision, build_loss_scaler
-from .zero import DataParallel, ReduceSettings
+from .precision import LossScaler, Precision, build_loss_scaler
+from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
 
@@ -92,10 +92,9 @@ class Engine(torch.nn.Module):
         self._scaler: LossScaler = build_loss_scaler(config, self._precision)
         self._build_module()
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
-        self._master = MasterWeights(trainable) if self._precision.master_weights else None
+        self._strategy = self._build_strategy(trainable)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
-        self._strategy = self._build_strategy(trainable)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
 
     # -- construction -----------------------------------------------------------------------
@@ -126,8 +125,7 @@ class Engine(torch.nn.Module):
             built = build_optimizer(spec, params)
         else:
             return None
-        if self._master is not None:
-            self._master.adopt(built)
+        self._strategy.adopt(built)  # the optimizer updates this rank's (fp32) slices
         return built
 
     def _build_scheduler(self, lr_scheduler):
@@ -149,8 +147,13 @@ class Engine(torch.nn.Module):
         reduce = ReduceSettings(self.world_size, cfg.gradient_allreduce_op,
                                 cfg.prescale_gradients, cfg.gradient_predivide_factor,
                                 cfg.comm_dtype())
-        return DataParallel(trainable, int(zero.reduce_bucket_size), bool(zero.overlap_comm),
-                            reduce, self._should_reduce)
+        common = (trainable, int(zero.reduce_bucket_size), bool(zero.overlap_comm), reduce,
+                  self._should_reduce)
+        if zero.stage == 0:
+            return DataParallel(*common)
+        sharded = {1: ZeroStage1, 2: ZeroStage2}[zero.stage]
+        return sharded(*common, int(zero.allgather_bucket_size), self.world_size,
+                       self.global_rank, zero.reduce_scatter)
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:
@@ -206,14 +209,14 @@ class Engine(torch.nn.Module):
     def _enter_backward(self) -> float:
         """Called by the output hook as backward starts; returns the gradient factor."""
         self._backward_calls += 1 if not self._in_engine_backward else 0
-        if self._should_reduce() and not self._callback_queued:
+        if self._strategy.reduces_in_backward() and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return 1.0 if self._in_engine_backward else self._scaler.scale
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        self._strategy.finish_reduction(self.gradient_accumulation_steps())
+        self._strategy.end_backward(self.gradient_accumulation_steps())
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -235,13 +238,22 @@ class Engine(torch.nn.Module):
                 (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
             finally:
                 self._in_engine_backward = False
-            if self._should_reduce():  # a loss not derived from the outputs skips the hook
-                self._strategy.finish_reduction(gas)
+            if self._strategy.reduces_in_backward():  # a loss not derived from the outputs
+                self._strategy.end_backward(gas)      # never ran the output hook
         return loss.detach() / gas if scale_wrt_gas else loss.detach()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skips gradient averaging for backward passes inside; they accumulate locally."""
+        """Skips gradient averaging for backward passes inside; they accumulate locally.
+
+        Valid at ZeRO stages 0 and 1. Stage 2 refuses it: its point is that no rank keeps
+        a full gradient, and accumulating locally would need exactly that.
+        """
+        if not self._strategy.supports_no_sync:
+            raise RuntimeError(
+                f"engine.no_sync() is not available at ZeRO stage {self._strategy.stage}: "
+                "gradients are reduce-scattered every micro-step so that no rank holds a full "
+                "gradient. Use gradient_accumulation_steps instead, or ZeRO stage 0 or 1.")
         self._no_sync_depth += 1
         try:
             yield
@@ -267,30 +279,19 @@ class Engine(torch.nn.Module):
             self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
-        self._strategy.finish_reduction(self.gradient_accumulation_steps())
-        grads = self._optimizer_grads()
+        grads = self._strategy.optimizer_grads(self.gradient_accumulation_steps())
         overflow = self._unscale_and_clip(grads)
         if overflow:
             self.skipped_steps += 1
         else:
             self.optimizer.step()
-            if self._master is not None:
-                self._master.copy_to_params()
-            self._strategy.after_step()
+            self._strategy.after_step()  # 16-bit copies refreshed, shards all-gathered
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self._scaler.update(overflow)
         self._step_applied = not overflow
         self._clear_grads()
         self._advance_counters()
-
-    def _optimizer_grads(self) -> List[torch.Tensor]:
-        """The fp32 gradients the optimizer will read (master gradients in 16-bit modes)."""
-        grads = self._strategy.step_grads()
-        if self._master is None:
-            return [g for g in grads if g is not None]
-        self._master.load_grads(grads)
-        return self._master.master_grads()
 
     def _unscale_and_clip(self, grads: List[torch.Tensor]) -> bool:
         """Unscales, measures the global norm, clips; returns True on inf/NaN (overflow)."""
@@ -301,7 +302,9 @@ class Engine(torch.nn.Module):
             self._global_grad_norm = None
             return False
         norm = self._strategy.global_norm(grads, self.device)
-        self._global_grad_norm = norm_value = norm.item()  # the one host sync of the step
+        norm_value = norm.item()  # the one host sync of the step
+        reported = self.config.zero_optimization.compute_grad_norm
+        self._global_grad_norm = norm_value if reported else None
         if self._precision.check_overflow and not math.isfinite(norm_value):
             self._global_grad_norm = float("inf")
             return True
@@ -311,8 +314,6 @@ class Engine(torch.nn.Module):
         return False
 
     def _clear_grads(self) -> None:
-        if self._master is not None:
-            self._master.release_grads()
         self._strategy.zero_grads()
 
     def _advance_counters(self) -> None:
@@ -398,7 +399,7 @@ class Engine(torch.nn.Module):
         and master weights, each distinct storage counted once."""
         params = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None] + self._strategy.state_tensors()
-        masters = self._master.masters if self._master is not None else []
+        masters = self._strategy.master_tensors()
         states = [v for s in (self.optimizer.state.values() if self.optimizer else [])
                   for v in s.values() if isinstance(v, torch.Tensor)]
         return count_bytes({"params": params, "grads": grads, "master": masters,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -130,38 +130,3 @@ def build_loss_scaler(cfg, precision: Precision) -> LossScaler:
                       window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                       consecutive_hysteresis=fp16.consecutive_hysteresis,
                       min_scale=fp16.min_loss_scale)
-
-
-class MasterWeights:
-    """fp32 copies of 16-bit parameters, which the optimizer updates in their place.
-
-    The optimizer's param groups are re-pointed at the masters (hyperparameters kept), so
-    a client optimizer built on ``model.parameters()`` keeps working unchanged.
-    """
-
-    def __init__(self, params: List[torch.nn.Parameter]):
-        self.params = params
-        self.masters = [torch.nn.Parameter(p.detach().float().clone(), p.requires_grad)
-                        for p in params]
-        self._by_id = {id(p): m for p, m in zip(params, self.masters)}
-
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            group["params"] = [self._by_id.get(id(p), p) for p in group["params"]]
-
-    def load_grads(self, grads: List[Optional[torch.Tensor]]) -> None:
-        """Gives each master the fp32 value of its parameter's (reduced) gradient."""
-        for master, grad in zip(self.masters, grads):
-            master.grad = None if grad is None else grad.float()
-
-    def master_grads(self) -> List[torch.Tensor]:
-        return [m.grad for m in self.masters if m.grad is not None]
-
-    def release_grads(self) -> None:
-        for m in self.masters:
-            m.grad = None
-
-    @torch.no_grad()
-    def copy_to_params(self) -> None:
-        if self.params:
-            torch._foreach_copy_(self.params, self.masters)

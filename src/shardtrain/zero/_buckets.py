@@ -37,20 +37,24 @@ class FlatBucket:
     The flags travel in the same collective as the gradients: after a sum, a flag of zero
     means no rank produced a gradient for that parameter, so it keeps ``grad=None`` and the
     optimizer leaves it alone, exactly as single-process training would.
+
+    With ``flat=False`` the bucket only tracks readiness (stage 2 keeps no full gradients).
     """
 
-    def __init__(self, params: List[torch.nn.Parameter]):
+    def __init__(self, params: List[torch.nn.Parameter], flat: bool = True):
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(self.numel + len(params), dtype=params[0].dtype,
-                                  device=params[0].device)
-        self.grads = self.buffer[: self.numel]
-        self.flags = self.buffer[self.numel:]
         self.views: List[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.buffer = self.grads = self.flags = None
+        if flat:
+            self.buffer = torch.zeros(self.numel + len(params), dtype=params[0].dtype,
+                                      device=params[0].device)
+            self.grads = self.buffer[: self.numel]
+            self.flags = self.buffer[self.numel:]
+            offset = 0
+            for p in params:
+                self.views.append(self.buffer[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
         self.used = [False] * len(params)   # produced a gradient since the last step
         self.arrived = 0                    # gradients arrived in the current backward
         self.launched = False

@@ -5,6 +5,10 @@ buckets (each parameter's ``.grad`` is a view into one), so accumulation needs n
 and a bucket is all-reduced in place. Communication happens only on the backward of an
 accumulation boundary: with ``overlap_comm`` a bucket is sent as soon as its last gradient
 is ready, while backward goes on; otherwise all buckets are sent when backward ends.
+
+Buckets are always sent in the same order on every rank (a bucket waits for the ones
+before it): collectives are matched by order, so a parameter that one rank does not use
+must not let that rank send its buckets in a different order from the others.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 
 from .. import comm
 from ._buckets import FlatBucket, local_norm, split_into_buckets
+from ._optview import OptimizerView, full_slices
 
 
 class ReduceSettings:
@@ -52,6 +57,8 @@ class DataParallel:
     """
 
     stage = 0
+    supports_no_sync = True
+    keeps_full_grads = True  # gradients accumulate in flat buckets between steps
 
     def __init__(self, params: List[torch.nn.Parameter], bucket_numel: int, overlap: bool,
                  reduce: ReduceSettings, should_reduce: Callable[[], bool]):
@@ -59,15 +66,24 @@ class DataParallel:
         self.overlap = overlap
         self.reduce = reduce
         self._should_reduce = should_reduce
-        self.buckets = [FlatBucket(group) for group in split_into_buckets(params, bucket_numel)]
+        self.buckets = [FlatBucket(group, flat=self.keeps_full_grads)
+                        for group in split_into_buckets(params, bucket_numel)]
         self._where: Dict[int, Tuple[FlatBucket, int]] = {}
         for bucket in self.buckets:
             for index, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, index)
-        self._pending: List[Tuple[FlatBucket, comm.Work, torch.Tensor]] = []
+        self._next = 0  # index of the next bucket to send: buckets leave in order
+        self._pending: List[tuple] = []
         self._reduced = False
+        self.view = self._build_view()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.zero_grads()
+
+    def _build_view(self) -> OptimizerView:
+        return OptimizerView(self.params, full_slices(self.params))
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        self.view.adopt(optimizer)
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -75,6 +91,11 @@ class DataParallel:
         """A new micro-batch: readiness is counted per backward pass, so it restarts here."""
         for bucket in self.buckets:
             bucket.arrived = 0
+
+    def reduces_in_backward(self) -> bool:
+        """Whether the backward now running communicates (the engine then calls
+        :meth:`end_backward` when it ends)."""
+        return self._should_reduce()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         bucket, index = self._where[id(param)]
@@ -84,15 +105,29 @@ class DataParallel:
             # what autograd produced is the whole accumulated gradient now.
             view.copy_(param.grad)
             param.grad = view
-        if bucket.launched or self._reduced:
-            raise RuntimeError(
-                "A gradient arrived after this step's gradients were already averaged: call "
-                "backward once per micro-batch (sum the losses first), or call engine.step() "
-                "between backward calls.")
+        self._check_not_reduced(bucket)
         bucket.used[index] = True
         bucket.arrived += 1
-        if self.overlap and bucket.arrived == len(bucket.params) and self._should_reduce():
+        if self.overlap and self._should_reduce():
+            self._launch_ready()
+
+    def _check_not_reduced(self, bucket) -> None:
+        if bucket.launched or self._reduced:
+            raise RuntimeError(
+                "A gradient arrived after this step's gradients were already reduced: call "
+                "backward once per micro-batch (sum the losses first), or call engine.step() "
+                "between backward calls.")
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if bucket.arrived < len(bucket.params):
+                return
             self._launch(bucket)
+
+    def _launch_all(self) -> None:
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: FlatBucket) -> None:
         bucket.write_flags()
@@ -104,18 +139,17 @@ class DataParallel:
             wire = wire.to(self.reduce.comm_dtype)
         work = comm.all_reduce(wire, "sum", async_op=True)
         bucket.launched = True
+        self._next += 1
         self._pending.append((bucket, work, wire))
 
-    def finish_reduction(self, accumulation_steps: int) -> None:
+    def end_backward(self, accumulation_steps: int) -> None:
         """Sends what is left, waits for every bucket and turns sums into averages.
 
         Idempotent within a step: the engine calls it when backward ends and again in step().
         """
         if self._reduced:
             return
-        for bucket in self.buckets:
-            if not bucket.launched:
-                self._launch(bucket)
+        self._launch_all()
         post = self.reduce.post_factor(accumulation_steps)
         for bucket, work, wire in self._pending:
             work.wait()
@@ -137,9 +171,10 @@ class DataParallel:
 
     # -- step ---------------------------------------------------------------------------------
 
-    def step_grads(self) -> List[Optional[torch.Tensor]]:
-        """The averaged gradient of each trainable parameter (None where none exists)."""
-        return [p.grad for p in self.params]
+    def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
+        """Finishes the reduction and gives the optimizer its gradients (fp32)."""
+        self.end_backward(accumulation_steps)
+        return self.view.load_grads([p.grad for p in self.params])
 
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         """L2 norm over all gradients. They are replicated after the all-reduce, so the
@@ -147,17 +182,23 @@ class DataParallel:
         return local_norm(grads, device)
 
     def after_step(self) -> None:
-        """Nothing to gather: every rank updated its full replica."""
+        """Every rank updated its full replica: only 16-bit copies need refreshing."""
+        self.view.copy_masters_to_params()
 
     def zero_grads(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
         self._pending.clear()
+        self._next = 0
         self._reduced = False
+        self.view.release_grads()
 
     def state_tensors(self) -> List[torch.Tensor]:
-        """Tensors this strategy owns beyond the module (for memory accounting)."""
+        """Gradient storage this strategy owns (for memory accounting)."""
         return [bucket.buffer for bucket in self.buckets]
+
+    def master_tensors(self) -> List[torch.Tensor]:
+        return list(self.view.masters)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
