@@ -129,26 +129,24 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight  # one shared nn.Parameter
+        for block in self.blocks:  # GPT-2 scales the residual projections' init
+            block.attn.proj.residual_scale = block.mlp.proj.residual_scale = True
         self.apply(self._init_weights)
-        self._scale_residual_projections()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        """GPT-2 init: N(0, 0.02) weights, zero biases, LayerNorm (1, 0)."""
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init: N(0, 0.02) weights (0.02 / sqrt(2 * n_layer) for residual output
+        projections), zero biases, LayerNorm (1, 0). Everything goes through ``apply`` so
+        that a model built under ``shardtrain.zero.Init`` gets the same values."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            std = 0.02
+            if getattr(module, "residual_scale", False):
+                std /= math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-
-    def _scale_residual_projections(self) -> None:
-        """GPT-2: residual output projections get std 0.02 / sqrt(2 * n_layer)."""
-        std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=std)
 
     def num_parameters(self) -> int:
         """Number of parameters, counting shared (tied) ones once."""

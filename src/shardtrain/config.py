@@ -91,13 +91,12 @@ class ConfigError(ValueError):
 # (and, for ZeRO, adding the stage to IMPLEMENTED_ZERO_STAGES); nothing else has to change.
 # --------------------------------------------------------------------------------------------
 
-IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2})
+IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2, 3})
 
 #: Dotted key -> what the feature is. A planned key is accepted only at its default (disabled)
 #: value; any other value raises ConfigError. Object-valued blocks without a model here
 #: (``pipeline``, ``compile``, ...) count as disabled when they are ``{}`` or ``{"enabled": false}``.
 PLANNED: Dict[str, str] = {
-    "zero_optimization.stage": "ZeRO stages 1-3 (sharded optimizer states, gradients, parameters)",
     "zero_optimization.offload_optimizer.device": "ZeRO-Offload of optimizer states",
     "zero_optimization.offload_param.device": "parameter offload (ZeRO-Infinity)",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weight all-gather",
@@ -160,12 +159,6 @@ STAGE_TUNING_KEYS: Dict[str, str] = {
     "zero_optimization.load_from_fp32_weights": "ZeRO checkpoints",
     "zero_optimization.elastic_checkpoint": "ZeRO checkpoints",
     "zero_optimization.sub_group_size": "ZeRO-3 sub-groups",
-    "zero_optimization.stage3_prefetch_bucket_size": "ZeRO-3 prefetching",
-    "zero_optimization.stage3_param_persistence_threshold": "ZeRO-3 persistent parameters",
-    "zero_optimization.stage3_model_persistence_threshold": "ZeRO-3 persistent parameters",
-    "zero_optimization.stage3_max_live_parameters": "ZeRO-3 parameter release",
-    "zero_optimization.stage3_max_reuse_distance": "ZeRO-3 parameter release",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "ZeRO-3 16-bit model saving",
     "zero_optimization.stage3_module_granularity_threshold": "ZeRO-3 module granularity",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "ZeRO-3 parameter fetching",
     "zero_optimization.stage3_allgather_sequential": "ZeRO-3 parameter fetching",
@@ -192,6 +185,8 @@ NO_EFFECT: Dict[str, str] = {
         "gradients are always reduced from contiguous flat buckets",
     "zero_optimization.use_multi_rank_bucket_allreduce":
         "stages 1-2 reduce-scatter (or all-reduce, see reduce_scatter) whole buckets",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+        "save_16bit_model always gathers full weights at stage 3",
     "zero_optimization.allgather_partitions":
         "updated shards are always all-gathered (a broadcast per rank gives the same result, slower)",
 }

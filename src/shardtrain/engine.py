@@ -21,7 +21,7 @@ from .log import log_dist, log_dist_once, logger
 from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
 from .precision import LossScaler, Precision, build_loss_scaler
-from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2
+from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2, ZeroStage3
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
 
@@ -96,6 +96,9 @@ class Engine(torch.nn.Module):
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+        # Weights loaded into the module later must reach the fp32 masters too.
+        self.module.register_load_state_dict_post_hook(
+            lambda module, keys: self._strategy.view.refresh_masters())
 
     # -- construction -----------------------------------------------------------------------
 
@@ -151,9 +154,11 @@ class Engine(torch.nn.Module):
                   self._should_reduce)
         if zero.stage == 0:
             return DataParallel(*common)
-        sharded = {1: ZeroStage1, 2: ZeroStage2}[zero.stage]
-        return sharded(*common, int(zero.allgather_bucket_size), self.world_size,
-                       self.global_rank, zero.reduce_scatter)
+        sharded = (int(zero.allgather_bucket_size), self.world_size, self.global_rank,
+                   zero.reduce_scatter)
+        if zero.stage == 3:
+            return ZeroStage3(self.module, *common, *sharded, zero)
+        return {1: ZeroStage1, 2: ZeroStage2}[zero.stage](*common, *sharded)
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:
@@ -175,6 +180,7 @@ class Engine(torch.nn.Module):
                 self._strategy.begin_forward()
             with self._precision.autocast(self.device.type):
                 outputs = self.module(*inputs, **kwargs)
+            self._strategy.end_forward(grad_on)
             return self._hook_outputs(outputs) if grad_on else outputs
 
     def _prepare_inputs(self, inputs, kwargs):
@@ -209,6 +215,7 @@ class Engine(torch.nn.Module):
     def _enter_backward(self) -> float:
         """Called by the output hook as backward starts; returns the gradient factor."""
         self._backward_calls += 1 if not self._in_engine_backward else 0
+        self._strategy.begin_backward()
         if self._strategy.reduces_in_backward() and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -397,7 +404,7 @@ class Engine(torch.nn.Module):
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this rank holds: parameters, gradients, optimizer states
         and master weights, each distinct storage counted once."""
-        params = list(self.module.parameters())
+        params = list(self.module.parameters()) + self._strategy.param_storage()
         grads = [p.grad for p in params if p.grad is not None] + self._strategy.state_tensors()
         masters = self._strategy.master_tensors()
         states = [v for s in (self.optimizer.state.values() if self.optimizer else [])
@@ -409,7 +416,6 @@ class Engine(torch.nn.Module):
         self.module.train(mode)
         self.training = mode
         return self
-
 
 def _apply_logging_keys(config: ShardConfig) -> None:
     if config.log_level:

@@ -10,6 +10,8 @@ from typing import List, Sequence
 
 import torch
 
+from ._shards import full_numel
+
 
 def split_into_buckets(params: Sequence[torch.nn.Parameter], bucket_numel: int
                        ) -> List[List[torch.nn.Parameter]]:
@@ -19,13 +21,14 @@ def split_into_buckets(params: Sequence[torch.nn.Parameter], bucket_numel: int
     current: List[torch.nn.Parameter] = []
     size = 0
     for p in reversed(list(params)):
+        numel = full_numel(p)
         compatible = not current or (p.dtype == current[0].dtype
                                      and p.device == current[0].device)
-        if current and (size + p.numel() > bucket_numel or not compatible):
+        if current and (size + numel > bucket_numel or not compatible):
             buckets.append(current)
             current, size = [], 0
         current.append(p)
-        size += p.numel()
+        size += numel
     if current:
         buckets.append(current)
     return buckets
@@ -43,7 +46,7 @@ class FlatBucket:
 
     def __init__(self, params: List[torch.nn.Parameter], flat: bool = True):
         self.params = params
-        self.numel = sum(p.numel() for p in params)
+        self.numel = sum(full_numel(p) for p in params)
         self.views: List[torch.Tensor] = []
         self.buffer = self.grads = self.flags = None
         if flat:

@@ -26,13 +26,20 @@ class OptimizerView:
     Args:
         params: the trainable parameters, each listed once.
         slices: this rank's ``(lo, hi)`` of each parameter's flattened elements.
+        sources: where each slice's values live, when not in the parameter itself (a
+            ZeRO-3 shard); None entries mean ``param.view(-1)[lo:hi]``.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], slices: Sequence[Slice]):
+    def __init__(self, params: Sequence[torch.nn.Parameter], slices: Sequence[Slice],
+                 sources: Optional[Sequence[Optional[torch.Tensor]]] = None):
         self.params = list(params)
         self.slices = list(slices)
+        sources = list(sources) if sources is not None else [None] * len(self.params)
+        self.sources = [src if src is not None else p.data.view(-1)[lo:hi]
+                        for p, (lo, hi), src in zip(self.params, self.slices, sources)]
         self.tensors: List[Optional[torch.nn.Parameter]] = [
-            _optimizer_tensor(p, lo, hi) for p, (lo, hi) in zip(self.params, self.slices)]
+            _optimizer_tensor(p, src, lo, hi)
+            for p, src, (lo, hi) in zip(self.params, self.sources, self.slices)]
         self._by_id = {id(p): t for p, t in zip(self.params, self.tensors)}
         self.masters = [t for p, t in zip(self.params, self.tensors)
                         if t is not None and p.dtype != torch.float32]
@@ -67,22 +74,29 @@ class OptimizerView:
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
         """Writes updated fp32 masters into their 16-bit parameter slices."""
-        for p, (lo, hi), t in zip(self.params, self.slices, self.tensors):
-            if t is not None and t is not p and p.dtype != torch.float32:
-                p.data.view(-1)[lo:hi].copy_(t.view(-1))
+        for p, src, t in zip(self.params, self.sources, self.tensors):
+            if t is not None and t is not p and src.dtype != torch.float32:
+                src.copy_(t.view(-1))
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Re-reads fp32 masters from the parameters (after weights were loaded into them)."""
+        for p, src, t in zip(self.params, self.sources, self.tensors):
+            if t is not None and t is not p and src.dtype != torch.float32:
+                t.view(-1).copy_(src)
 
 
-def _optimizer_tensor(p: torch.nn.Parameter, lo: int, hi: int) -> Optional[torch.nn.Parameter]:
+def _optimizer_tensor(p: torch.nn.Parameter, src: torch.Tensor, lo: int,
+                      hi: int) -> Optional[torch.nn.Parameter]:
     if hi <= lo:
         return None
-    if p.dtype == torch.float32:
-        if lo == 0 and hi == p.numel():
+    whole = lo == 0 and hi == p.numel()
+    if src.dtype == torch.float32:
+        if whole:
             return p
-        return torch.nn.Parameter(p.data.view(-1)[lo:hi])  # shares the parameter's storage
-    master = p.detach().reshape(-1)[lo:hi].float().clone()
-    if lo == 0 and hi == p.numel():
-        master = master.view_as(p)
-    return torch.nn.Parameter(master)
+        return torch.nn.Parameter(src)  # a view: the optimizer updates the slice in place
+    master = src.float().clone()
+    return torch.nn.Parameter(master.view_as(p) if whole else master)
 
 
 def full_slices(params: Sequence[torch.nn.Parameter]) -> List[Slice]:

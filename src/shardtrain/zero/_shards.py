@@ -16,6 +16,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the full parameter (a ZeRO-3 parameter's own data may be empty)."""
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
 def chunk_size(numel: int, world: int) -> int:
     return max(1, -(-numel // world))
 

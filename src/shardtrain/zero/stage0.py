@@ -92,6 +92,16 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.arrived = 0
 
+    def end_forward(self, grad_enabled: bool) -> None:
+        """Forward finished (stage 3 frees what backward will not need)."""
+
+    def begin_backward(self) -> None:
+        """Backward is starting (stage 3 stops releasing parameters until it ends)."""
+
+    def param_storage(self) -> List[torch.Tensor]:
+        """Parameter storage beyond the module's own tensors (stage 3 shards)."""
+        return []
+
     def reduces_in_backward(self) -> bool:
         """Whether the backward now running communicates (the engine then calls
         :meth:`end_backward` when it ends)."""

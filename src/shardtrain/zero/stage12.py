@@ -25,7 +25,7 @@ import torch
 from .. import comm
 from ._buckets import FlatBucket, local_norm, split_into_buckets
 from ._optview import OptimizerView
-from ._shards import ShardLayout, shard_range
+from ._shards import ShardLayout, full_numel, shard_range
 from .stage0 import DataParallel, ReduceSettings
 
 
@@ -45,12 +45,12 @@ class ZeroStage1(DataParallel):
                  gather_numel: int, world: int, rank: int, use_reduce_scatter: bool = True):
         self.world, self.rank = world, rank
         self.use_reduce_scatter = use_reduce_scatter
-        self.slices = [shard_range(p.numel(), world, rank) for p in params]
+        self.slices = [shard_range(full_numel(p), world, rank) for p in params]
         self._global_flags: dict = {}
         super().__init__(params, bucket_numel, overlap, reduce, should_reduce)
-        self.layouts = {id(b): ShardLayout([p.numel() for p in b.params], world, rank,
+        self.layouts = {id(b): ShardLayout([full_numel(p) for p in b.params], world, rank,
                                            extra=len(b.params)) for b in self.buckets}
-        self.gather_groups = [(group, ShardLayout([p.numel() for p in group], world, rank))
+        self.gather_groups = [(group, ShardLayout([full_numel(p) for p in group], world, rank))
                               for group in split_into_buckets(params, gather_numel)]
 
     def _build_view(self) -> OptimizerView:

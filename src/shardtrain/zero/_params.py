@@ -1,0 +1,165 @@
+"""ZeRO-3 parameters: each rank keeps only its shard; the full tensor exists on demand.
+
+A partitioned parameter keeps its Python identity (optimizers, hooks and tied modules
+still point at it) and gains DeepSpeed's attributes:
+
+* ``ds_shape``, ``ds_numel``: the full shape and element count;
+* ``ds_tensor``: this rank's shard (``chunk_size`` elements, zero-padded), 1-D;
+* ``ds_status``: ``ZeroParamStatus.AVAILABLE`` while gathered, else ``NOT_AVAILABLE``;
+* ``ds_id``: a creation-order number, the same on every rank.
+
+While released, ``param.data`` is an empty tensor of shape ``(0,)`` (so a stray read
+fails loudly instead of reading stale memory). The gathered value lives in ``ds_full``,
+whose storage is resized to zero bytes on release and back on gather: tensors that autograd
+saved during forward (views of the weight, for instance) share that storage, so they free
+their memory too and see the right values again once backward re-gathers.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Iterable, List, Optional
+
+import torch
+
+from .. import comm
+from ._shards import chunk_size, full_numel, shard_range
+
+_ids = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    return getattr(p, "ds_tensor", None) is not None
+
+
+def _empty_like(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+@torch.no_grad()
+def partition(p: torch.nn.Parameter, world: int, rank: int, src: Optional[int] = 0) -> None:
+    """Turns a full parameter into a partitioned one (the full value is dropped).
+
+    With ``src`` set, that rank's value is broadcast first, so every shard comes from the
+    same full tensor even if ranks initialised differently.
+    """
+    if is_partitioned(p):
+        return
+    full = p.data
+    if src is not None:
+        comm.broadcast(full, src)
+    numel, c = full.numel(), chunk_size(full.numel(), world)
+    lo, hi = shard_range(numel, world, rank)
+    shard = torch.zeros(c, dtype=full.dtype, device=full.device)
+    shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
+    p.ds_shape, p.ds_numel, p.ds_tensor = full.shape, numel, shard
+    if getattr(p, "ds_id", None) is None:
+        p.ds_id = next(_ids)
+    owns_storage = (full.is_contiguous() and full.storage_offset() == 0
+                    and full.untyped_storage().nbytes() == numel * full.element_size())
+    # ds_full's storage is resized on release: it must not be shared with anything else.
+    p.ds_full = full if owns_storage else full.clone(memory_format=torch.contiguous_format)
+    p.ds_persist = False
+    release(p)
+
+
+def release(p: torch.nn.Parameter) -> None:
+    p.data = _empty_like(p.ds_full)
+    p.ds_full.untyped_storage().resize_(0)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def materialize(p: torch.nn.Parameter) -> torch.Tensor:
+    """Gives ``ds_full`` its memory back (contents undefined) and returns it flattened."""
+    full = p.ds_full
+    nbytes = full.numel() * full.element_size()
+    if full.untyped_storage().nbytes() != nbytes:
+        full.untyped_storage().resize_(nbytes)
+    return full.view(-1)
+
+
+def mark_available(p: torch.nn.Parameter) -> None:
+    p.data = p.ds_full
+    p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+@torch.no_grad()
+def gather_one(p: torch.nn.Parameter) -> None:
+    """Synchronously all-gathers one partitioned parameter (collective)."""
+    world = comm.get_world_size()
+    c = p.ds_tensor.numel()
+    out = torch.empty(world * c, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+    comm.all_gather(out, p.ds_tensor)
+    materialize(p).copy_(out[: p.ds_numel])
+    mark_available(p)
+
+
+@torch.no_grad()
+def write_shard_from_full(p: torch.nn.Parameter) -> None:
+    """After the full value changed, stores this rank's part of it in the shard."""
+    lo, hi = shard_range(p.ds_numel, comm.get_world_size(), comm.get_rank())
+    p.ds_tensor[: hi - lo].copy_(p.ds_full.view(-1)[lo:hi])
+
+
+class GatheredParameters:
+    """Gathers partitioned parameters for the duration of a ``with`` block.
+
+    Args:
+        params: a parameter or an iterable of them; non-partitioned ones are ignored (a
+            block over only plain parameters does nothing).
+        modifier_rank: None: read-only (changes are discarded on exit). A rank ``r``: the
+            values rank ``r`` holds at exit are broadcast and stored in every shard.
+        enabled: False makes the block a no-op.
+
+    Example:
+        >>> with shardtrain.zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
+        ...     if torch.distributed.get_rank() == 0:
+        ...         model.lm_head.weight.copy_(pretrained)
+    """
+
+    def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None,
+                 enabled: bool = True):
+        del fwd_module  # accepted for DeepSpeed compatibility
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        unique = {id(p): p for p in (params if enabled else []) if is_partitioned(p)}
+        self.params: List[torch.nn.Parameter] = sorted(unique.values(), key=lambda p: p.ds_id)
+        self.modifier_rank = modifier_rank
+        self._gathered: List[torch.nn.Parameter] = []
+
+    def __enter__(self) -> "GatheredParameters":
+        for p in self.params:
+            if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE:
+                _wait_inflight(p)
+            if p.ds_status != ZeroParamStatus.AVAILABLE:
+                gather_one(p)
+                self._gathered.append(p)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            if self.modifier_rank is not None:
+                for p in self.params:
+                    comm.broadcast(p.ds_full, self.modifier_rank)
+                    write_shard_from_full(p)
+            for p in self._gathered:
+                release(p)
+        self._gathered = []
+
+
+def _wait_inflight(p: torch.nn.Parameter) -> None:
+    group = getattr(p, "ds_group", None)
+    if group is not None and p.ds_status == ZeroParamStatus.INFLIGHT:
+        group.wait()
+
+
+def partition_module(module: torch.nn.Module, world: int, rank: int,
+                     params: Optional[Iterable[torch.nn.Parameter]] = None) -> None:
+    for p in (params if params is not None else module.parameters()):
+        partition(p, world, rank)
