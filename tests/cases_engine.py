@@ -265,7 +265,7 @@ SCHEDULES = {
 
 @case
 def case_fp16_overflow(rank, world):
-    """Rank 1 (only) gets an inf gradient on step 2: every rank must skip that step."""
+    """The last rank (only) gets an inf gradient on step 2: every rank must skip that step."""
     data = make_data(4, 1, world, 4)
     cfg = base_config(micro=4, fp16={"enabled": True, "initial_scale_power": 8,
                                      "hysteresis": 1})
@@ -275,7 +275,7 @@ def case_fp16_overflow(rank, world):
     def inject(engine, s, k):
         if s == 2:
             params_before.update(_params(engine.module))
-            if rank == 1:
+            if rank == world - 1:
                 w = engine.module.fc2.weight
                 handle = w.register_hook(lambda g: torch.full_like(g, math.inf))
                 inject.handle = handle

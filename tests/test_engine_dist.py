@@ -16,7 +16,7 @@ from _dist import run_ranks
 from shardtrain.memory import zero_formula_bytes
 from shardtrain.optim import build_scheduler
 
-GRID = [(stage, world) for stage in (0, 1, 2, 3) for world in (2, 3)]
+GRID = [(stage, world) for stage in (0, 1, 2, 3) for world in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module", params=GRID, ids=lambda g: f"stage{g[0]}-world{g[1]}")
@@ -249,7 +249,8 @@ def test_dataloader_gives_each_rank_its_share(run):
     assert flat[:40] == list(range(40)) or len(set(flat)) == 40
     for r in range(world):
         assert all(len(b) <= 4 for b in seen[r])
-    assert not set(seen[0][0]) & set(seen[1][0])
+    if world > 1:
+        assert not set(seen[0][0]) & set(seen[1][0])
 
 
 def test_counters_follow_deepspeed(run):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
@@ -18,7 +19,7 @@ from . import accelerator, comm
 from .config import ShardConfig
 from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
-from .memory import count_bytes
+from .memory import count_bytes, write_weights
 from .optim import build_optimizer, build_scheduler
 from .precision import LossScaler, Precision, build_loss_scaler
 from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2, ZeroStage3
@@ -412,10 +413,31 @@ class Engine(torch.nn.Module):
         return count_bytes({"params": params, "grads": grads, "master": masters,
                             "optimizer": states})
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Writes the full module weights (in the module's dtype) to one file; call it on
+        every rank (at stage 3 the weights are gathered one module at a time), rank 0 writes.
+
+        A name ending in ``.safetensors`` writes safetensors, anything else ``torch.save``
+        (loadable with ``torch.load(..., weights_only=True)``). The write is atomic.
+
+        Example:
+            >>> engine.save_16bit_model("out", "model.safetensors")
+        """
+        state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            write_weights(state, os.path.join(save_dir, save_filename))
+        comm.barrier()
+        return True
+
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
         self.training = mode
         return self
+
 
 def _apply_logging_keys(config: ShardConfig) -> None:
     if config.log_level:

@@ -9,7 +9,7 @@ from typing import Dict, Iterable
 
 import torch
 
-__all__ = ["count_bytes", "zero_formula_bytes"]
+__all__ = ["count_bytes", "zero_formula_bytes", "write_weights"]
 
 
 def count_bytes(groups: Dict[str, Iterable[torch.Tensor]]) -> Dict[str, int]:
@@ -43,3 +43,32 @@ def zero_formula_bytes(num_params: int, world_size: int, stage: int, param_bytes
     """
     p, g, k, n = param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params, world_size
     return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+def write_weights(state: Dict[str, torch.Tensor], path: str) -> None:
+    """Writes a flat state dict atomically: safetensors for ``*.safetensors``, else
+    ``torch.save``. A temporary file is renamed into place, so a crash leaves no half file."""
+    import os
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+        save_file(_untie(tensors), tmp)
+    else:
+        torch.save(tensors, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _untie(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied weights): give each its own."""
+    seen = set()
+    out = {}
+    for k, v in tensors.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        out[k] = v.clone() if key in seen else v
+        seen.add(key)
+    return out

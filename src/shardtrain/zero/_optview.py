@@ -60,6 +60,8 @@ class OptimizerView:
             if grad is None:
                 tensor.grad = None
                 continue
+            if grad.shape != tensor.shape:  # a flat shard of a parameter held whole
+                grad = grad.view(tensor.shape)
             tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
             out.append(tensor.grad)
         return out

@@ -317,8 +317,10 @@ class ZeroStage3(ZeroStage2):
         super().end_backward(accumulation_steps)
         self.in_backward = self.in_step = False
         for g in self.groups:
-            if g.active == 0:
-                g.release()
+            # No forward is running now. A count left over is a forward that never finished:
+            # non-reentrant checkpointing stops its re-run early, once it has what it needs.
+            g.active = 0
+            g.release()
 
     # -- access from outside a module's forward ------------------------------------------------
 
@@ -337,8 +339,8 @@ class ZeroStage3(ZeroStage2):
     def zero_grads(self) -> None:
         super().zero_grads()
         for g in getattr(self, "groups", []):
-            if g.active == 0:
-                g.release()
+            g.active = 0
+            g.release()  # after a step any gathered copy is stale
 
     def param_storage(self) -> List[torch.Tensor]:
         """What holds the parameters between steps: the group shards (and whole small ones)."""

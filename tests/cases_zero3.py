@@ -1,0 +1,251 @@
+"""ZeRO-3 cases run on every rank of one process group, with their references."""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gpt
+import shardtrain
+from cases_engine import adamw, make_data
+from shardtrain import comm
+from shardtrain.zero import GatheredParameters, Init
+
+IN, OUT, H = 8, 4, 16
+
+
+class Twice(nn.Module):
+    """A module whose parameter is used twice, and whose child runs twice, per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(H, H)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, H))
+
+    def forward(self, x):
+        h = self.fc(torch.tanh(self.fc(x)))
+        return h * self.scale * self.scale
+
+
+class ZNet(nn.Module):
+    """Frozen layer, a buffer, a repeated module; the path may skip ``twice``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(IN, H)
+        self.frozen = nn.Linear(H, H)
+        self.frozen.requires_grad_(False)
+        self.twice = Twice()
+        self.head = nn.Linear(H, OUT)
+        self.register_buffer("shift", torch.full((H,), 0.1))
+
+    def forward(self, x, skip: bool = False):
+        h = torch.tanh(self.frozen(self.emb(x) + self.shift))
+        if not skip:
+            h = self.twice(h)
+        return self.head(h)
+
+
+def znet(seed: int = 0) -> ZNet:
+    torch.manual_seed(seed)
+    return ZNet()
+
+
+def loss_of(model, out, y, penalty: bool) -> torch.Tensor:
+    """Cross-entropy, plus (optionally) a penalty on the head's weight read outside any
+    module's forward: at stage 3 that read must gather it."""
+    loss = F.cross_entropy(out, y)
+    if penalty:
+        loss = loss + 1e-2 * model.head.weight.pow(2).sum()
+    return loss
+
+
+def skip_at(step: int) -> bool:
+    return step % 3 == 2  # the forward path changes from step to step (same on every rank)
+
+
+def zero3_config(micro: int, gas: int = 1, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4, **zero}}
+
+
+def reference_znet(data, penalty: bool, clip: float = 1.0) -> Dict[str, Any]:
+    x, y = data
+    steps, gas, world = x.shape[:3]
+    model = znet()
+    opt = adamw([p for p in model.parameters()])
+    losses = torch.zeros(steps, gas, world)
+    for s in range(steps):
+        opt.zero_grad()
+        for k in range(gas):
+            for r in range(world):
+                loss = loss_of(model, model(x[s, k, r], skip=skip_at(s)), y[s, k, r], penalty)
+                (loss / (gas * world)).backward()
+                losses[s, k, r] = loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {"losses": losses, "params": _state(model)}
+
+
+def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def run_znet(rank: int, world: int, data, penalty: bool, **zero) -> Dict[str, Any]:
+    x, y = data
+    steps, gas = x.shape[:2]
+    engine, *_ = shardtrain.initialize(model=znet(), config=zero3_config(x.shape[3], gas, **zero))
+    losses = torch.zeros(steps, gas)
+    shard_only = []
+    for s in range(steps):
+        for k in range(gas):
+            out = engine(x[s, k, rank], skip=skip_at(s))
+            loss = loss_of(engine.module, out, y[s, k, rank], penalty)
+            engine.backward(loss)
+            engine.step()
+            losses[s, k] = loss.detach()
+        shard_only.append(_holds_shards_only(engine))
+    return {"losses": losses, "params": _state(engine.module), "shard_only": shard_only,
+            "buffer": engine.module.shift.clone()}
+
+
+def _holds_shards_only(engine) -> bool:
+    """Between steps every partitioned parameter holds nothing but its shard."""
+    for p in engine.module.parameters():
+        if getattr(p, "ds_persist", False):
+            continue
+        if p.data.numel() != 0 or p.ds_full.untyped_storage().nbytes() != 0:
+            return False
+    return True
+
+
+CASES: Dict[str, Callable] = {}
+
+
+def case(fn):
+    CASES[fn.__name__[len("case_"):]] = fn
+    return fn
+
+
+@case
+def case_znet(rank, world):
+    """Frozen layer, buffer, module called twice, parameter used twice, a weight read in the
+    loss, a path that changes between steps; accumulation 2, clipping."""
+    return run_znet(rank, world, make_data(4, 2, world, 3), penalty=True)
+
+
+@case
+def case_znet_tight(rank, world):
+    """The same with no prefetching, no reuse and a tiny live budget: slower, still exact."""
+    return run_znet(rank, world, make_data(3, 1, world, 3), penalty=True,
+                    stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0,
+                    stage3_max_live_parameters=1)
+
+
+class CheckpointedGPT(gpt.GPT):
+    """GPT whose blocks run under activation checkpointing."""
+
+    reentrant = True
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def gpt_tokens(world: int, steps: int = 3, micro: int = 2):
+    cfg = gpt.gpt_config("tiny")
+    g = torch.Generator().manual_seed(3)
+    return cfg, torch.randint(0, cfg.vocab_size, (steps, world, micro, cfg.block_size + 1),
+                              generator=g)
+
+
+def train_gpt(engine, tokens, rank) -> Dict[str, Any]:
+    losses = []
+    for s in range(tokens.shape[0]):
+        batch = tokens[s, rank]
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _state(engine.module)}
+
+
+@case
+def case_checkpointing(rank, world):
+    cfg, tokens = gpt_tokens(world)
+    out = {}
+    for reentrant in (True, False):
+        torch.manual_seed(0)
+        model = CheckpointedGPT(cfg)
+        model.reentrant = reentrant
+        engine, *_ = shardtrain.initialize(model=model, config=zero3_config(2))
+        out[reentrant] = train_gpt(engine, tokens, rank)
+    return out
+
+
+@case
+def case_init(rank, world):
+    """A GPT built under zero.Init: never whole, initialised as a plain build, trains the same."""
+    cfg, tokens = gpt_tokens(world)
+    torch.manual_seed(0)
+    with Init():
+        model = gpt.GPT(cfg)
+    partitioned = all(p.data.numel() == 0 and p.ds_tensor.numel() < p.ds_numel
+                      for p in model.parameters() if p.ds_numel >= world)
+    shapes = {n: tuple(p.ds_shape) for n, p in model.named_parameters()}
+    with GatheredParameters(list(model.parameters())):
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, *_ = shardtrain.initialize(model=model, config=zero3_config(2))
+    out = train_gpt(engine, tokens, rank)
+    out.update(partitioned=partitioned, shapes=shapes, initial=initial)
+    return out
+
+
+@case
+def case_gathered_parameters(rank, world):
+    engine, *_ = shardtrain.initialize(model=znet(), config=zero3_config(2))
+    weight = engine.module.head.weight
+    info = {"ds_shape": tuple(weight.ds_shape), "ds_numel": weight.ds_numel,
+            "released_shape": tuple(weight.shape)}
+    with GatheredParameters(weight):
+        info["read_shape"] = tuple(weight.shape)
+        weight.data.fill_(5.0)  # read-only block: discarded on exit
+    with GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            weight.data.copy_(torch.arange(weight.numel(), dtype=weight.dtype).view_as(weight))
+    info["after"] = _state(engine.module)["head.weight"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        shared = comm.broadcast_object(path)
+        engine.save_16bit_model(os.path.dirname(shared), os.path.basename(shared))
+        if rank == 0:
+            from safetensors.torch import load_file
+            info["saved"] = load_file(shared)["head.weight"]
+        comm.barrier()
+    info["state"] = _state(engine.module)
+    return info
+
+
+def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
+    results = {}
+    for name, fn in CASES.items():
+        if only and name not in only:
+            continue
+        try:
+            results[name] = fn(rank, world_size)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        comm.barrier()
+    return results
