@@ -113,8 +113,11 @@ def run_znet(rank: int, world: int, data, penalty: bool, **zero) -> Dict[str, An
             engine.step()
             losses[s, k] = loss.detach()
         shard_only.append(_holds_shards_only(engine))
+    persistent = {n: tuple(p.shape) for n, p in engine.module.named_parameters()
+                  if getattr(p, "ds_persist", False)}
     return {"losses": losses, "params": _state(engine.module), "shard_only": shard_only,
-            "buffer": engine.module.shift.clone()}
+            "buffer": engine.module.shift.clone(), "stats": dict(engine._strategy.stats),
+            "persistent": persistent}
 
 
 def _holds_shards_only(engine) -> bool:

@@ -116,3 +116,14 @@ def test_gathered_parameters_and_16bit_save(run):
         torch.testing.assert_close(result(run, "gathered_parameters", rank)["after"], want)
     torch.testing.assert_close(info["saved"], want)
     assert set(info["state"]) == set(cz.znet().state_dict())  # full state_dict, every key
+
+
+def test_prefetching_and_persistence(run):
+    """Default settings: after the first step the recorded order prefetches upcoming
+    modules. With no prefetch budget everything is fetched when needed. Parameters at or
+    under stage3_param_persistence_threshold (4 here) stay whole."""
+    prefetched = result(run, "znet")["stats"]
+    tight = result(run, "znet_tight")["stats"]
+    assert prefetched["prefetched"] > 0
+    assert tight["prefetched"] == 0 and tight["on_demand"] > prefetched["on_demand"]
+    assert result(run, "znet")["persistent"] == {"head.bias": (cz.OUT,)}

@@ -124,9 +124,11 @@ class DataParallel:
     def _check_not_reduced(self, bucket) -> None:
         if bucket.launched or self._reduced:
             raise RuntimeError(
-                "A gradient arrived after this step's gradients were already reduced: call "
-                "backward once per micro-batch (sum the losses first), or call engine.step() "
-                "between backward calls.")
+                "A gradient arrived after its bucket was already reduced. Call backward once "
+                "per micro-batch (sum the losses first) and engine.step() after each. With "
+                "reentrant activation checkpointing, a parameter used both inside and outside "
+                "a checkpointed region gets two gradients in one backward: set "
+                "zero_optimization.overlap_comm to false, or use use_reentrant=False.")
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):

@@ -120,6 +120,8 @@ class ZeroStage3(ZeroStage2):
         self._plan_ok = False
         self.groups: List[_Group] = []
         self._unit_groups: Dict[int, List[_Group]] = {}
+        # How groups arrived when needed: already there, prefetched, or fetched on demand.
+        self.stats = {"prefetched": 0, "on_demand": 0}
         self._partition_all(module, world, rank, zero)
         super().__init__(params, bucket_numel, overlap, reduce, should_reduce, gather_numel,
                          world, rank, use_reduce_scatter)
@@ -210,8 +212,7 @@ class ZeroStage3(ZeroStage2):
         for g in groups:
             if not self.in_backward:
                 self._record(g)
-            self._make_room(g)
-            g.gather()
+            self._fetch(g)
 
     def _record(self, g: _Group) -> None:
         pos = len(self._trace)
@@ -258,7 +259,14 @@ class ZeroStage3(ZeroStage2):
                 if self._live() + h.numel > self.max_live:
                     return
                 h.launch()
+                self.stats["prefetched"] += 1
                 budget -= h.numel
+
+    def _fetch(self, g: _Group) -> None:
+        if g.status == _RELEASED:
+            self.stats["on_demand"] += 1
+            self._make_room(g)
+        g.gather()
 
     def _live(self) -> int:
         return sum(g.numel for g in self.groups if g.status != _RELEASED)
@@ -295,7 +303,7 @@ class ZeroStage3(ZeroStage2):
         self.in_backward = True
         groups = self._unit_groups[id(m)]
         for g in groups:
-            g.gather()
+            self._fetch(g)
         positions = [getattr(g, "last_pos", None) for g in groups]
         positions = [p for p in positions if p is not None and p < len(self._trace)]
         if positions:
@@ -331,8 +339,7 @@ class ZeroStage3(ZeroStage2):
         if not self.in_step or (g.active > 0 and g.status == _AVAILABLE):
             return
         g.hold = True
-        self._make_room(g)
-        g.gather()
+        self._fetch(g)
 
     # -- step -----------------------------------------------------------------------------------
 
