@@ -1,0 +1,139 @@
+"""Engine behaviour that one process shows: DeepSpeed-style entry points, counters,
+logging, profiler ranges and the loss-scale rules."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.precision import LossScaler
+
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def step(engine, n=1):
+    for _ in range(n):
+        loss = engine(torch.randn(2, 4)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+@pytest.fixture
+def records():
+    """Records of the shardtrain logger (it does not propagate to pytest's caplog)."""
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("shardtrain")
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
+def test_initialize_reads_deepspeed_config_from_args(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(CONFIG))
+    parser = shardtrain.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    engine, optimizer, loader, scheduler = shardtrain.initialize(
+        args=args, model=model(), model_parameters=model().parameters())
+    assert engine.train_micro_batch_size_per_gpu() == 2 and loader is None and scheduler is None
+    assert isinstance(optimizer, torch.optim.SGD) and args.local_rank == 0
+
+
+def test_initialize_errors_name_the_fix(tmp_path):
+    args = argparse.Namespace(deepspeed_config="a.json")
+    with pytest.raises(ValueError, match="keep one"):
+        shardtrain.initialize(args=args, model=model(), config=CONFIG)
+    with pytest.raises(ValueError, match="needs a config"):
+        shardtrain.initialize(model=model())
+    with pytest.raises(ValueError, match="needs model="):
+        shardtrain.initialize(config=CONFIG)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        shardtrain.initialize(model=lambda x: x, config=CONFIG)
+    engine, *_ = shardtrain.initialize(model=model(), config={"train_batch_size": 2})
+    with pytest.raises(RuntimeError, match="needs an optimizer"):
+        engine.step()
+
+
+def test_steps_per_print_logs_lr_scale_and_throughput(records):
+    engine, *_ = shardtrain.initialize(model=model(), config={**CONFIG, "steps_per_print": 2})
+    step(engine, 4)
+    lines = [r.getMessage() for r in records if "step=" in r.getMessage()]
+    assert len(lines) == 2 and "step=2" in lines[0] and "step=4" in lines[1]
+    assert "lr=[0.1]" in lines[0] and "loss_scale=1" in lines[0] and "samples/s=" in lines[0]
+
+
+def test_log_dist_once(records):
+    shardtrain.log_dist("hello", ranks=[0])
+    shardtrain.log_dist("not me", ranks=[5])
+    for _ in range(3):
+        shardtrain.log_dist_once("only once", ranks=[0])
+    messages = [r.getMessage() for r in records]
+    assert messages.count("hello") == 1 and "not me" not in messages
+    assert messages.count("only once") == 1
+
+
+def test_profiler_ranges_around_forward_backward_step():
+    engine, *_ = shardtrain.initialize(model=model(), config=CONFIG)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(engine)
+    names = {e.name for e in prof.events()}
+    assert {"shardtrain.forward", "shardtrain.backward", "shardtrain.step"} <= names
+
+
+def test_boundary_override_and_unmanaged_accumulation():
+    engine, *_ = shardtrain.initialize(model=model(),
+                                       config={**CONFIG, "gradient_accumulation_steps": 4})
+    engine.set_gradient_accumulation_boundary(True)  # sticky: every step is a boundary
+    step(engine, 2)
+    assert engine.global_steps == 2 and engine.micro_steps == 2
+    free, *_ = shardtrain.initialize(model=model(), config={
+        **CONFIG, "gradient_accumulation_steps": 2, "managed_gradient_accumulation": False})
+    for _ in range(3):
+        loss = free(torch.randn(2, 4)).pow(2).mean()
+        free.backward(loss)
+    free.step()  # every step() is a boundary; samples follow the backward calls
+    assert free.global_steps == 1 and free.global_samples == 3 * 2
+    with pytest.raises(RuntimeError, match="managed_gradient_accumulation"):
+        free.set_gradient_accumulation_boundary(True)
+
+
+def test_backward_returns_loss_divided_by_accumulation_steps():
+    engine, *_ = shardtrain.initialize(model=model(),
+                                       config={**CONFIG, "gradient_accumulation_steps": 4})
+    loss = engine(torch.randn(2, 4)).pow(2).mean()
+    assert torch.allclose(engine.backward(loss), loss.detach() / 4)
+
+
+def after_each(scaler, overflows):
+    out = []
+    for overflow in overflows:
+        scaler.update(overflow)
+        out.append(scaler.scale)
+    return out
+
+
+def test_loss_scaler_follows_deepspeed_rules():
+    """DeepSpeed's checked sequences: init 16, window 2, hysteresis 2."""
+    clean = LossScaler(16, dynamic=True, window=2, hysteresis=2)
+    assert after_each(clean, [False] * 5) == [16, 16, 32, 32, 64]
+    bumpy = LossScaler(16, dynamic=True, window=2, hysteresis=2)
+    assert after_each(bumpy, [True] * 3 + [False] * 3) == [16, 8, 4, 4, 4, 8]
+    floor = LossScaler(16, dynamic=True, window=2, hysteresis=1, min_scale=1)
+    assert after_each(floor, [True] * 4) == [8, 4, 2, 1]
+    with pytest.raises(RuntimeError, match="minimum loss scale"):
+        floor.update(True)
+    static = LossScaler(128, dynamic=False)
+    assert after_each(static, [True, False]) == [128, 128]
