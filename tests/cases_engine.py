@@ -437,6 +437,31 @@ def case_comm_dtype(rank, world):
     return out
 
 
+@case
+def case_offload(rank, world):
+    """Optimizer states and masters in host memory (stages 1-3), and at stage 3 the
+    parameter shards too; bf16 exercises the copies back into 16-bit slices."""
+    if STAGE == 0:
+        try:
+            engine_for(make_model(), base_config(
+                zero_optimization={"offload_optimizer": {"device": "cpu"}}))
+        except ValueError as err:
+            return {"refused": str(err)}
+        return {"refused": None}
+    zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if STAGE == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    data = make_data(3, 2, world, 3)
+    out = {}
+    for mode, extra in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}})):
+        cfg = base_config(micro=3, gas=2, gradient_clipping=1.0, zero_optimization=zero, **extra)
+        engine = engine_for(make_model(), cfg)
+        out[mode] = train(engine, data, rank)
+        out[mode]["host_states"] = all(t.device.type == "cpu" for t in engine._strategy.view.masters)
+        out[mode]["foreach"] = [g.get("foreach") for g in engine.optimizer.param_groups]
+    return out
+
+
 class Wide(nn.Module):
     """About 0.4M parameters, so that flags and padding are noise next to the states."""
 

@@ -281,7 +281,12 @@ def test_removed_keys_are_checked_before_unknown_ones():
 
 # One non-default value per planned key; test_every_planned_key_has_a_case keeps this complete.
 PLANNED_CASES = {
-    "zero_optimization.offload_optimizer.device": "cpu",
+    "zero_optimization.offload_optimizer.device": "nvme",
+    "zero_optimization.offload_optimizer.ratio": 0.5,
+    "zero_optimization.offload_optimizer.super_offload": True,
+    "zero_optimization.offload_optimizer.pipeline_read": True,
+    "zero_optimization.offload_optimizer.pipeline_write": True,
+    "zero_optimization.offload_optimizer.fast_init": True,
     "zero_optimization.offload_param.device": "nvme",
     "zero_optimization.zero_quantized_weights": True,
     "zero_optimization.zero_quantized_nontrainable_weights": True,
@@ -361,6 +366,8 @@ def with_context(dotted: str, value: Any) -> Dict[str, Any]:
         block["optimizer"]["type"] = "AdamW"
     if dotted == "bf16.bf16_optimizer_states" and value:
         block["bf16"]["bf16_master_weights_and_grads"] = True
+    if dotted == "zero_optimization.offload_optimizer.ratio":
+        block["zero_optimization"]["stage"] = 3  # ratio < 1 is only valid at stage 3
     return block
 
 
@@ -485,8 +492,8 @@ def test_deprecated_zero_aliases(all_stages, warnings_seen):
     assert cfg.zero_optimization.offload_optimizer is None
     assert cfg.zero_optimization.gather_16bit_weights_on_model_save is True
     assert len(warnings_seen) == 3
-    message = error_of({"zero_optimization": {"cpu_offload": True}})
-    assert "zero_optimization.offload_optimizer.device is not implemented yet" in message and "cpu_offload" in message
+    cfg = load({"zero_optimization": {"stage": 1, "cpu_offload": True}})
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
     assert "remove cpu_offload" in error_of({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {}}})
 
 

@@ -97,8 +97,13 @@ IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2, 3})
 #: value; any other value raises ConfigError. Object-valued blocks without a model here
 #: (``pipeline``, ``compile``, ...) count as disabled when they are ``{}`` or ``{"enabled": false}``.
 PLANNED: Dict[str, str] = {
-    "zero_optimization.offload_optimizer.device": "ZeRO-Offload of optimizer states",
-    "zero_optimization.offload_param.device": "parameter offload (ZeRO-Infinity)",
+    "zero_optimization.offload_optimizer.device": "offload to NVMe (cpu is supported)",
+    "zero_optimization.offload_param.device": "offload to NVMe (cpu is supported)",
+    "zero_optimization.offload_optimizer.ratio": "partial optimizer offload",
+    "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
+    "zero_optimization.offload_optimizer.pipeline_read": "NVMe offload pipelining",
+    "zero_optimization.offload_optimizer.pipeline_write": "NVMe offload pipelining",
+    "zero_optimization.offload_optimizer.fast_init": "NVMe offload",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weight all-gather",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized frozen weights",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradient reduction",
@@ -176,7 +181,11 @@ STAGE_TUNING_KEYS: Dict[str, str] = {
 PLANNED.update(STAGE_TUNING_KEYS)
 
 #: Values that count as disabled besides the default (the default is always accepted).
-_ALSO_DISABLED: Dict[str, Tuple[Any, ...]] = {"sequence_parallel_size": (1,)}
+_ALSO_DISABLED: Dict[str, Tuple[Any, ...]] = {
+    "sequence_parallel_size": (1,),
+    "zero_optimization.offload_optimizer.device": ("cpu",),  # nvme is the planned part
+    "zero_optimization.offload_param.device": ("cpu",),
+}
 
 #: Keys shardtrain accepts but does not need, because it never imposes the restriction.
 NO_EFFECT: Dict[str, str] = {

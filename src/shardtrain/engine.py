@@ -153,13 +153,17 @@ class Engine(torch.nn.Module):
                                 cfg.comm_dtype())
         common = (trainable, int(zero.reduce_bucket_size), bool(zero.overlap_comm), reduce,
                   self._should_reduce)
+        _check_offload(zero)
         if zero.stage == 0:
             return DataParallel(*common)
         sharded = (int(zero.allgather_bucket_size), self.world_size, self.global_rank,
                    zero.reduce_scatter)
         if zero.stage == 3:
             return ZeroStage3(self.module, *common, *sharded, zero)
-        return {1: ZeroStage1, 2: ZeroStage2}[zero.stage](*common, *sharded)
+        offload = zero.offload_optimizer
+        on_host = offload is not None and offload.device == "cpu"
+        return {1: ZeroStage1, 2: ZeroStage2}[zero.stage](
+            *common, *sharded, on_host, bool(on_host and offload.pin_memory))
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:
@@ -437,6 +441,20 @@ class Engine(torch.nn.Module):
         self.module.train(mode)
         self.training = mode
         return self
+
+
+def _check_offload(zero) -> None:
+    """Offload combinations DeepSpeed supports: optimizer offload at stages 1-3, parameter
+    offload at stage 3."""
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none" \
+            and zero.stage == 0:
+        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 "
+                         "(stage is 0): set zero_optimization.stage, or remove the offload.")
+    if zero.offload_param is not None and zero.offload_param.device != "none" \
+            and zero.stage != 3:
+        raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is "
+                         f"{zero.stage}): parameters are only partitioned at stage 3; use "
+                         "offload_optimizer at stages 1-2.")
 
 
 def _apply_logging_keys(config: ShardConfig) -> None:

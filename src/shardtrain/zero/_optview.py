@@ -31,18 +31,38 @@ class OptimizerView:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], slices: Sequence[Slice],
-                 sources: Optional[Sequence[Optional[torch.Tensor]]] = None):
+                 sources: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 offload: bool = False, pin_memory: bool = False):
         self.params = list(params)
         self.slices = list(slices)
+        self.offload = offload
+        self._pin = pin_memory and torch.cuda.is_available()
         sources = list(sources) if sources is not None else [None] * len(self.params)
         self.sources = [src if src is not None else p.data.view(-1)[lo:hi]
                         for p, (lo, hi), src in zip(self.params, self.slices, sources)]
         self.tensors: List[Optional[torch.nn.Parameter]] = [
-            _optimizer_tensor(p, src, lo, hi)
+            self._optimizer_tensor(p, src, lo, hi)
             for p, src, (lo, hi) in zip(self.params, self.sources, self.slices)]
         self._by_id = {id(p): t for p, t in zip(self.params, self.tensors)}
-        self.masters = [t for p, t in zip(self.params, self.tensors)
-                        if t is not None and p.dtype != torch.float32]
+        # Tensors the optimizer updates in place of their source, copied back after a step.
+        self.masters = [t for p, src, t in zip(self.params, self.sources, self.tensors)
+                        if t is not None and not _shares(t, src)]
+        self._host_grads: dict = {}
+
+    def _optimizer_tensor(self, p: torch.nn.Parameter, src: torch.Tensor, lo: int,
+                          hi: int) -> Optional[torch.nn.Parameter]:
+        if hi <= lo:
+            return None
+        whole = lo == 0 and hi == p.numel()
+        if src.dtype == torch.float32 and not self.offload:
+            if whole:
+                return p
+            return torch.nn.Parameter(src)  # a view: the optimizer updates the slice in place
+        device = torch.device("cpu") if self.offload else src.device
+        master = torch.empty(src.shape, dtype=torch.float32, device=device,
+                             pin_memory=self._pin and device.type == "cpu")
+        master.copy_(src)
+        return torch.nn.Parameter(master.view_as(p) if whole else master)
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-points the optimizer's groups at this rank's tensors; parameters this rank
@@ -50,9 +70,12 @@ class OptimizerView:
         for group in optimizer.param_groups:
             group["params"] = [self._by_id.get(id(p), p) for p in group["params"]
                                if self._by_id.get(id(p), p) is not None]
+            if self.offload and group.get("foreach", False) is None:
+                group["foreach"] = True  # a vectorised CPU step, not a loop per parameter
 
     def load_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
-        """Attaches the reduced gradient of each slice (fp32 for masters); returns them."""
+        """Attaches the reduced gradient of each slice (fp32 for masters; in host memory
+        when the optimizer is offloaded); returns them."""
         out = []
         for tensor, grad in zip(self.tensors, grads):
             if tensor is None:
@@ -62,9 +85,24 @@ class OptimizerView:
                 continue
             if grad.shape != tensor.shape:  # a flat shard of a parameter held whole
                 grad = grad.view(tensor.shape)
-            tensor.grad = grad if grad.dtype == tensor.dtype else grad.to(tensor.dtype)
-            out.append(tensor.grad)
+            if grad.dtype != tensor.dtype or grad.device != tensor.device:
+                grad = self._to_optimizer(tensor, grad)
+            tensor.grad = grad
+            out.append(grad)
+        if self.offload and self._pin:
+            torch.cuda.synchronize()  # the non-blocking copies to host must have landed
         return out
+
+    def _to_optimizer(self, tensor: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if tensor.device == grad.device:
+            return grad.to(tensor.dtype)
+        buffer = self._host_grads.get(id(tensor))
+        if buffer is None:  # one host buffer per tensor, reused every step
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device,
+                                 pin_memory=self._pin)
+            self._host_grads[id(tensor)] = buffer
+        buffer.copy_(grad, non_blocking=self._pin)
+        return buffer
 
     def release_grads(self) -> None:
         """Drops the optimizer tensors' gradients; a tensor that is the module parameter
@@ -75,36 +113,24 @@ class OptimizerView:
 
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
-        """Writes updated fp32 masters into their 16-bit parameter slices."""
-        for p, src, t in zip(self.params, self.sources, self.tensors):
-            if t is not None and t is not p and src.dtype != torch.float32:
-                src.copy_(t.view(-1))
+        """Writes updated masters (16-bit or offloaded copies) back into their slices."""
+        for src, t in zip(self.sources, self.tensors):
+            if t is not None and not _shares(t, src):
+                src.copy_(t.view(-1), non_blocking=self._pin)
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """Re-reads fp32 masters from the parameters (after weights were loaded into them)."""
-        for p, src, t in zip(self.params, self.sources, self.tensors):
-            if t is not None and t is not p and src.dtype != torch.float32:
+        """Re-reads masters from the parameters (after weights were loaded into them)."""
+        for src, t in zip(self.sources, self.tensors):
+            if t is not None and not _shares(t, src):
                 t.view(-1).copy_(src)
 
 
-def _optimizer_tensor(p: torch.nn.Parameter, src: torch.Tensor, lo: int,
-                      hi: int) -> Optional[torch.nn.Parameter]:
-    if hi <= lo:
-        return None
-    whole = lo == 0 and hi == p.numel()
-    if src.dtype == torch.float32:
-        if whole:
-            return p
-        return torch.nn.Parameter(src)  # a view: the optimizer updates the slice in place
-    master = src.float().clone()
-    return torch.nn.Parameter(master.view_as(p) if whole else master)
+def _shares(tensor: torch.Tensor, src: torch.Tensor) -> bool:
+    """True when the optimizer's tensor is the slice itself (same memory)."""
+    return (tensor.device == src.device and tensor.dtype == src.dtype
+            and tensor.data_ptr() == src.data_ptr())
 
 
 def full_slices(params: Sequence[torch.nn.Parameter]) -> List[Slice]:
     return [(0, p.numel()) for p in params]
-
-
-def tensor_map(view: OptimizerView) -> Dict[int, torch.Tensor]:
-    """Module parameter id -> the optimizer's tensor (for state lookups)."""
-    return {id(p): t for p, t in zip(view.params, view.tensors) if t is not None}

@@ -36,15 +36,19 @@ class ZeroStage1(DataParallel):
         gather_numel: ``allgather_bucket_size``, in elements.
         world, rank: the data-parallel group.
         use_reduce_scatter: False all-reduces buckets instead (``reduce_scatter: false``).
+        offload, pin_memory: optimizer states and fp32 masters in (pinned) host memory, the
+            optimizer stepping there (``offload_optimizer: {device: cpu}``).
     """
 
     stage = 1
 
     def __init__(self, params: List[torch.nn.Parameter], bucket_numel: int, overlap: bool,
                  reduce: ReduceSettings, should_reduce: Callable[[], bool],
-                 gather_numel: int, world: int, rank: int, use_reduce_scatter: bool = True):
+                 gather_numel: int, world: int, rank: int, use_reduce_scatter: bool = True,
+                 offload: bool = False, pin_memory: bool = False):
         self.world, self.rank = world, rank
         self.use_reduce_scatter = use_reduce_scatter
+        self.offload, self.pin_memory = offload, pin_memory
         self.slices = [shard_range(full_numel(p), world, rank) for p in params]
         self._global_flags: dict = {}
         super().__init__(params, bucket_numel, overlap, reduce, should_reduce)
@@ -54,7 +58,8 @@ class ZeroStage1(DataParallel):
                               for group in split_into_buckets(params, gather_numel)]
 
     def _build_view(self) -> OptimizerView:
-        return OptimizerView(self.params, self.slices)
+        return OptimizerView(self.params, self.slices, offload=self.offload,
+                             pin_memory=self.pin_memory)
 
     # -- the reduce-scatter -------------------------------------------------------------------
 
@@ -147,8 +152,8 @@ class ZeroStage1(DataParallel):
 
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         """Every rank holds distinct slices: the squared norms add up across ranks."""
-        squared = local_norm(grads, device).square().reshape(1)
-        comm.all_reduce(squared)
+        squared = local_norm(grads, device).square().reshape(1).to(device)
+        comm.all_reduce(squared)  # offloaded gradients sit in host memory: reduce on device
         return squared.sqrt()[0]
 
     def after_step(self) -> None:

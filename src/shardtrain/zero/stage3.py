@@ -42,12 +42,18 @@ _RELEASED, _INFLIGHT, _AVAILABLE = "released", "inflight", "available"
 class _Group:
     """The shards of the parameters one module owns, gathered and released together."""
 
-    def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int):
+    def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int,
+                 offload: bool = False, pin_memory: bool = False):
         self.params = params
         self.world = world
         self.layout = ShardLayout([p.ds_numel for p in params], world, rank)
         first = params[0].ds_tensor
-        self.flat = torch.zeros(self.layout.row, dtype=first.dtype, device=first.device)
+        self.device = first.device  # where the full parameters are used
+        # offload_param: the shards live in host memory between uses.
+        self.offload = offload
+        home = torch.device("cpu") if offload else first.device
+        self.flat = torch.zeros(self.layout.row, dtype=first.dtype, device=home,
+                                pin_memory=pin_memory and torch.cuda.is_available())
         for i, p in enumerate(params):
             region = self.flat[self.layout.offsets[i]: self.layout.offsets[i] + self.layout.chunks[i]]
             region.copy_(p.ds_tensor)
@@ -66,8 +72,12 @@ class _Group:
         if self.status != _RELEASED:
             return
         self._gathered = torch.empty(self.world, self.layout.row, dtype=self.flat.dtype,
-                                     device=self.flat.device)
-        self._work = comm.all_gather(self._gathered.view(-1), self.flat, async_op=True)
+                                     device=self.device)
+        # An offloaded shard travels to the device first (a copy even when both are the CPU).
+        mine = self.flat.to(self.device, copy=True, non_blocking=True) if self.offload \
+            else self.flat
+        self._work = comm.all_gather(self._gathered.view(-1), mine, async_op=True)
+        self._sent = mine
         self.status = _INFLIGHT
         for p in self.params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -80,7 +90,7 @@ class _Group:
             self.layout.unpack(self._gathered, [materialize(p) for p in self.params])
         for p in self.params:
             mark_available(p)
-        self._work = self._gathered = None
+        self._work = self._gathered = self._sent = None
         self.status = _AVAILABLE
 
     def gather(self) -> None:
@@ -110,6 +120,8 @@ class ZeroStage3(ZeroStage2):
                  bucket_numel: int, overlap: bool, reduce, should_reduce, gather_numel: int,
                  world: int, rank: int, use_reduce_scatter: bool, zero) -> None:
         self.module = module
+        self.offload_param = zero.offload_param is not None and zero.offload_param.device == "cpu"
+        self.pin_param = bool(self.offload_param and zero.offload_param.pin_memory)
         self.prefetch_numel = int(zero.prefetch_bucket_size)
         self.max_live = int(zero.max_live_parameters)
         self.max_reuse = int(zero.max_reuse_distance)
@@ -123,8 +135,11 @@ class ZeroStage3(ZeroStage2):
         # How groups arrived when needed: already there, prefetched, or fetched on demand.
         self.stats = {"prefetched": 0, "on_demand": 0}
         self._partition_all(module, world, rank, zero)
+        optimizer_offload = (zero.offload_optimizer is not None
+                             and zero.offload_optimizer.device == "cpu")
         super().__init__(params, bucket_numel, overlap, reduce, should_reduce, gather_numel,
-                         world, rank, use_reduce_scatter)
+                         world, rank, use_reduce_scatter, optimizer_offload,
+                         bool(optimizer_offload and zero.offload_optimizer.pin_memory))
         persistent = [p for p in params if not is_partitioned(p)]
         self.gather_groups = self._persistent_gather_groups(persistent, gather_numel)
         self._hooks += self._install_module_hooks(module)
@@ -152,7 +167,8 @@ class ZeroStage3(ZeroStage2):
             by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
             for p in mine:
                 by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-            self.groups += [_Group(ps, world, rank) for ps in by_dtype.values()]
+            self.groups += [_Group(ps, world, rank, self.offload_param, self.pin_param)
+                            for ps in by_dtype.values()]
         for m in module.modules():
             groups = {id(p.ds_group): p.ds_group for p in m._parameters.values()
                       if p is not None and is_partitioned(p)}
@@ -164,7 +180,8 @@ class ZeroStage3(ZeroStage2):
     def _build_view(self) -> OptimizerView:
         sources = [p.ds_tensor[: hi - lo] if is_partitioned(p) else None
                    for p, (lo, hi) in zip(self.params, self.slices)]
-        return OptimizerView(self.params, self.slices, sources)
+        return OptimizerView(self.params, self.slices, sources, offload=self.offload,
+                             pin_memory=self.pin_memory)
 
     def _persistent_gather_groups(self, persistent, gather_numel):
         from ._buckets import split_into_buckets
