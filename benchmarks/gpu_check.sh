@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared run on a CUDA machine: the CUDA test lane, then the DDP benchmark on the GPU.
+# One prepared run on a CUDA machine: the CUDA test lane, then the GPU benchmarks.
 # Logs and JSON go to $OUT (or ./gpu-out). Python packages missing there can travel as
 # wheels in .whl/ (installed into /tmp/site first).
 set -uo pipefail
@@ -11,7 +11,8 @@ fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-timeout 240 python3 -m pytest -q -m cuda tests -p no:cacheprovider -x 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
-timeout 300 python3 benchmarks/bench_ddp.py --device cuda --world 1 --n-layer 12 --n-embd 768 \
-  --micro 16 --gas 1,4 --blocks 6 --steps 5 --threads 4 --json "$OUT/bench_cuda.json" 2>&1 \
-  | tee "$OUT/bench_cuda.log"
+timeout 300 python3 -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
+timeout 240 python3 benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | grep -v Warning
+timeout 120 python3 benchmarks/bench_ddp.py --device cuda --world 1 --n-layer 12 --n-embd 768 \
+  --micro 16 --gas 1,4 --blocks 4 --steps 5 --threads 4 --json "$OUT/bench_ddp_cuda.json" 2>&1 \
+  | tee "$OUT/bench_ddp_cuda.log"

@@ -4,16 +4,20 @@
     python examples/train_gpt.py --config examples/configs/demo.json      # one process
 
 Each rank reads its own share of every global batch; gradients are averaged across ranks
-before each update. At the end rank 0 prints a summary and a sample of generated text.
+before each update. Rank 0 writes the monitors the config enables (demo.json: metrics.jsonl
+and CSV files under runs/demo). At the end it plots them (runs/demo/plots/*.png, when
+matplotlib is installed) and prints a summary and a sample of generated text.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import List, Optional
 
 import torch
 
@@ -22,7 +26,7 @@ import gpt  # noqa: E402  (the example model, next to this file)
 
 import shardtrain  # noqa: E402
 from shardtrain import comm  # noqa: E402
-from shardtrain.monitor import Progress  # noqa: E402
+from shardtrain.monitor import Progress, plot_run  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +47,11 @@ def main(argv=None) -> None:
     steps = args.steps or config.get("scheduler", {}).get("params", {}).get("total_num_steps", 400)
     torch.manual_seed(args.seed)
 
+    shardtrain.init_distributed()
+    run_dir = monitor_dir(config)
+    if run_dir and comm.get_rank() == 0:
+        clear_monitor_files(run_dir)  # the monitors append: start this run afresh
+
     cfg = gpt.gpt_config(args.model)
     dataset = gpt.CharDataset(gpt.load_corpus(), cfg.block_size)
     model = gpt.GPT(gpt.gpt_config(args.model, vocab_size=dataset.vocab_size))
@@ -54,7 +63,8 @@ def main(argv=None) -> None:
         f"{steps} steps", ranks=[0])
 
     losses = train(engine, loader, steps)
-    summarize(engine, losses, steps, cfg.block_size)
+    plots = make_plots(run_dir) if comm.get_rank() == 0 else []
+    summarize(engine, losses, steps, cfg.block_size, run_dir, plots)
     if comm.get_rank() == 0 and args.sample:
         print("\n--- sample ---\n" + sample(engine.module, dataset, args.sample) + "\n---")
     shardtrain.destroy()
@@ -87,13 +97,47 @@ def train(engine, loader, steps: int) -> list:
     return losses
 
 
-def summarize(engine, losses: list, steps: int, block_size: int) -> None:
+def monitor_dir(config: dict) -> Optional[str]:
+    """Where the config's JSON-lines (else CSV) monitor writes: output_path/job_name."""
+    for key in ("jsonl_monitor", "csv_monitor"):
+        block = config.get(key, {})
+        if block.get("enabled"):
+            return str(Path(block.get("output_path", "")) / block.get("job_name", "DeepSpeedJobName"))
+    return None
+
+
+def clear_monitor_files(run_dir: str) -> None:
+    """Removes a previous run's metrics.jsonl, CSV files and plots (and nothing else)."""
+    folder = Path(run_dir)
+    for path in [folder / "metrics.jsonl", *folder.glob("Train_Samples_*.csv")]:
+        path.unlink(missing_ok=True)
+    shutil.rmtree(folder / "plots", ignore_errors=True)
+
+
+def make_plots(run_dir: Optional[str]) -> List[Path]:
+    """PNG plots of the monitor files (loss, learning rate, throughput, memory per rank)."""
+    if not run_dir:
+        return []
+    try:
+        return plot_run(run_dir)
+    except ImportError as err:  # matplotlib is an optional extra
+        shardtrain.log_dist(f"no plots: {err}; then run: shardtrain plot {run_dir}", ranks=[0])
+        return []
+
+
+def summarize(engine, losses: list, steps: int, block_size: int, run_dir: Optional[str] = None,
+              plots: Optional[List[Path]] = None) -> None:
     states = engine.model_state_bytes()
     per_rank = comm.all_gather_object(states["total"])
     tokens = engine.global_samples * block_size
     first = sum(losses[:10]) / min(10, len(losses))
     last = sum(losses[-10:]) / min(10, len(losses))
     memory = ", ".join(f"rank {r}: {b / 2**20:.1f} MiB" for r, b in enumerate(per_rank))
+    files = ""
+    if run_dir:
+        files = f"\n  monitor files    {run_dir}/ (metrics.jsonl, one CSV per metric)"
+    if plots:
+        files += f"\n  plots            {plots[0].parent}/: " + ", ".join(p.name for p in plots)
     shardtrain.log_dist(
         "summary\n"
         f"  steps            {engine.global_steps} ({engine.skipped_steps} skipped)\n"
@@ -101,7 +145,7 @@ def summarize(engine, losses: list, steps: int, block_size: int) -> None:
         f"{tokens / engine.elapsed:,.0f} tokens/s\n"
         f"  loss             {first:.3f} -> {last:.3f} (mean of first and last 10 steps; "
         f"ln(vocab) = {math.log(loader_vocab(engine)):.3f})\n"
-        f"  model states     {memory} (params + grads + optimizer states)", ranks=[0])
+        f"  model states     {memory} (params + grads + optimizer states)" + files, ranks=[0])
 
 
 def loader_vocab(engine) -> int:

@@ -462,6 +462,32 @@ def case_offload(rank, world):
     return out
 
 
+@case
+def case_offload_memory(rank, world):
+    """Device bytes after a step with and without optimizer offload (meaningful on CUDA,
+    where host memory is not device memory)."""
+    if STAGE == 0 or not torch.cuda.is_available() or engine_device() != "cuda":
+        return {"skipped": True}
+    out = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        engine = engine_for(Wide(), base_config(micro=2, zero_optimization=zero))
+        for _ in range(2):
+            loss = engine(torch.randn(2, 257)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        torch.cuda.synchronize()
+        out[offload] = torch.cuda.memory_allocated()
+        out["numel"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        del engine
+    return out
+
+
+def engine_device() -> str:
+    return shardtrain.accelerator.device_type()
+
+
 class Wide(nn.Module):
     """About 0.4M parameters, so that flags and padding are noise next to the states."""
 

@@ -5,15 +5,17 @@ CUDA when it is available (one device per local rank), else the CPU. Set
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 __all__ = ["device", "device_type", "default_backend", "synchronize", "memory_stats",
-           "range", "is_cuda", "set_local_device"]
+           "range", "is_cuda", "set_local_device", "reset_peak_memory", "total_memory",
+           "device_name", "limit_memory", "is_out_of_memory"]
 
 _ENV = "SHARDTRAIN_ACCELERATOR"
 
@@ -82,3 +84,64 @@ def range(name: str) -> Iterator[None]:  # noqa: A001 - mirrors profiler vocabul
     finally:
         if cuda:
             torch.cuda.nvtx.range_pop()
+
+
+# -- memory and identity, for profiling and the autotuner ----------------------------------------
+
+
+def reset_peak_memory() -> None:
+    """Starts a new peak for :func:`memory_stats` (CUDA; nothing to do on the CPU)."""
+    if is_cuda():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def total_memory() -> Optional[int]:
+    """Bytes of memory of this process's device, or None on the CPU (the host is shared)."""
+    if not is_cuda():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def device_name() -> str:
+    """The device's marketing name (``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    return torch.cuda.get_device_name() if is_cuda() else "cpu"
+
+
+def limit_memory(nbytes: int) -> None:
+    """Makes the caching allocator refuse to grow past ``nbytes`` (CUDA), so that a budget
+    smaller than the device raises a real out-of-memory error; nothing on the CPU."""
+    total = total_memory()
+    if total:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for the device's out-of-memory error."""
+    return isinstance(error, torch.cuda.OutOfMemoryError)
+
+
+def device_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_version():
+    """NCCL's version as text, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def device_inventory() -> list:
+    """Each CUDA device: index, name, total and free memory, compute capability."""
+    devices = []
+    for index in builtins.range(device_count()):  # range() here is the profiler range
+        props = torch.cuda.get_device_properties(index)
+        try:
+            free = torch.cuda.mem_get_info(index)[0]
+        except RuntimeError:  # busy in exclusive mode, or a broken device: still list it
+            free = None
+        devices.append({"index": index, "name": props.name, "total_memory": props.total_memory,
+                        "free_memory": free, "capability": f"{props.major}.{props.minor}"})
+    return devices

@@ -179,6 +179,15 @@ def get_backend() -> Optional[str]:
     return dist.get_backend() if is_initialized() else None
 
 
+def available_backends() -> dict:
+    """Which communication backends this torch build has (read-only flags)."""
+    if not dist.is_available():
+        return {"distributed": False}
+    checks = {"nccl": "is_nccl_available", "gloo": "is_gloo_available",
+              "mpi": "is_mpi_available", "ucc": "is_ucc_available", "xccl": "is_xccl_available"}
+    return {name: bool(getattr(dist, fn)()) for name, fn in checks.items() if hasattr(dist, fn)}
+
+
 def barrier() -> None:
     if get_world_size() > 1:
         dist.barrier()

@@ -74,6 +74,9 @@ __all__ = [
     "WandbConfig",
     "CometConfig",
     "CommsLoggerConfig",
+    "JSONLMonitorConfig",
+    "AutotuningConfig",
+    "AutotuningModelInfoConfig",
     "CheckpointConfig",
     "CheckpointParallelWriteConfig",
     "CheckpointWriterConfig",
@@ -121,20 +124,9 @@ PLANNED: Dict[str, str] = {
     "data_types.grad_accum_dtype": "gradient accumulation in a dtype other than the model's",
     "data_types.buffer_dtype": "casting module buffers to a given dtype",
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
-    "wall_clock_breakdown": "per-step forward/backward/step timers",
-    "memory_breakdown": "memory logging at step points",
-    "flops_profiler.enabled": "the FLOPs profiler",
-    "tensorboard.enabled": "the TensorBoard monitor",
-    "csv_monitor.enabled": "the CSV monitor",
     "wandb.enabled": "the Weights & Biases monitor",
     "comet.enabled": "the Comet monitor",
     "comms_logger.enabled": "the communication logger",
-    "activation_checkpointing.partition_activations": "activation checkpointing",
-    "activation_checkpointing.contiguous_memory_optimization": "activation checkpointing",
-    "activation_checkpointing.cpu_checkpointing": "activation checkpointing",
-    "activation_checkpointing.number_checkpoints": "activation checkpointing",
-    "activation_checkpointing.synchronize_checkpoint_boundary": "activation checkpointing",
-    "activation_checkpointing.profile": "activation checkpointing",
     "checkpoint.load_universal": "universal checkpoints",
     "checkpoint.use_node_local_storage": "node-local checkpoint storage",
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
@@ -152,8 +144,9 @@ PLANNED: Dict[str, str] = {
     "aio": "asynchronous NVMe I/O",
     "weight_quantization": "weight quantization",
     "datastates_ckpt": "DataStates asynchronous checkpointing",
-    "compile": "torch.compile / DeepCompile integration",
-    "autotuning": "the autotuner",
+    "autotuning.fast": "tuning ZeRO settings beyond the micro-batch size and stage (fast: false)",
+    "autotuning.tuner_type": "the random and model-based tuners",
+    "autotuning.mp_size": "autotuning with model parallelism",
     "timers": "throughput timers",
     "model_info": "model information for the autotuner",
 }
@@ -190,6 +183,13 @@ _ALSO_DISABLED: Dict[str, Tuple[Any, ...]] = {
 #: Keys shardtrain accepts but does not need, because it never imposes the restriction.
 NO_EFFECT: Dict[str, str] = {
     "zero_allow_untested_optimizer": "shardtrain allows any torch optimizer",
+    "activation_checkpointing.partition_activations":
+        "shards saved inputs across model-parallel ranks; shardtrain has no model parallelism",
+    "activation_checkpointing.contiguous_memory_optimization":
+        "the caching allocator already reuses checkpoint memory",
+    "activation_checkpointing.number_checkpoints": "sizes the contiguous buffer (see above)",
+    "activation_checkpointing.profile":
+        "regions show as shardtrain.checkpoint ranges in torch.profiler traces",
     "zero_optimization.contiguous_gradients":
         "gradients are always reduced from contiguous flat buckets",
     "zero_optimization.use_multi_rank_bucket_allreduce":
@@ -198,6 +198,10 @@ NO_EFFECT: Dict[str, str] = {
         "save_16bit_model always gathers full weights at stage 3",
     "zero_optimization.allgather_partitions":
         "updated shards are always all-gathered (a broadcast per rank gives the same result, slower)",
+    "autotuning.model_info.num_params":
+        "shardtrain autotune always runs the profile: it needs the measured activation memory",
+    "autotuning.model_info.hidden_size": "informational: the profile measures what the autotuner needs",
+    "autotuning.model_info.num_layers": "informational: the profile measures what the autotuner needs",
 }
 
 #: Keys DeepSpeed removed: dotted key -> what to use instead. Their presence alone is an error.
@@ -770,7 +774,7 @@ class SchedulerConfig(_ConfigModel):
 
 
 class ActivationCheckpointingConfig(_ConfigModel):
-    """``activation_checkpointing`` (planned: only the defaults are accepted)."""
+    """``activation_checkpointing``: how ``shardtrain.checkpointing.checkpoint`` behaves."""
 
     config_path: ClassVar[str] = "activation_checkpointing"
     drops_auto: ClassVar[bool] = False
@@ -784,37 +788,58 @@ class ActivationCheckpointingConfig(_ConfigModel):
 
 
 class FlopsProfilerConfig(_ConfigModel):
-    """``flops_profiler`` (planned)."""
+    """``flops_profiler``: FLOPs, parameters and latency per module at one step (see docs/monitoring.md)."""
 
     config_path: ClassVar[str] = "flops_profiler"
     drops_auto: ClassVar[bool] = False
 
     enabled: _Bool = Field(False, description="profile one step")
     recompute_fwd_factor: _Float = Field(0.0, description="extra forward passes from recomputation")
-    profile_step: _Int = Field(1, description="global step to profile")
-    module_depth: _Int = Field(-1, description="module depth shown; -1 = all")
-    top_modules: _Int = Field(1, description="number of top modules shown")
+    profile_step: _Int = Field(1, ge=0, description="global step to profile (0 = the first)")
+    module_depth: _Int = Field(-1, ge=-1, description="module depth shown; -1 = all")
+    top_modules: _Int = Field(1, ge=0, description="number of top modules shown per depth")
     detailed: _Bool = Field(True, description="per-module breakdown")
     output_file: Optional[_Str] = Field(None, description="file for the profile; null = stdout")
 
 
+class CompileConfig(_ConfigModel):
+    """``compile``: ``torch.compile`` of the module once ``engine.compile()`` is called."""
+
+    config_path: ClassVar[str] = "compile"
+
+    enabled: _Bool = Field(False, description="compile the module (call engine.compile())")
+    backend: _Str = Field("inductor", description="torch.compile backend")
+    kwargs: Dict[str, Any] = Field(default_factory=dict, description="other torch.compile arguments")
+
+
 class TensorBoardConfig(_ConfigModel):
-    """``tensorboard`` monitor (planned)."""
+    """``tensorboard`` monitor: TensorBoard events under ``output_path/job_name`` (rank 0)."""
 
     config_path: ClassVar[str] = "tensorboard"
 
     enabled: _Bool = Field(False, description="write TensorBoard events")
-    output_path: _Str = Field("", description="directory for the events")
+    output_path: _Str = Field("", description="directory for the events (\"\" = the working directory)")
     job_name: _Str = Field("DeepSpeedJobName", description="sub-directory of output_path")
 
 
 class CSVMonitorConfig(_ConfigModel):
-    """``csv_monitor`` (planned)."""
+    """``csv_monitor``: one CSV file per metric under ``output_path/job_name`` (rank 0)."""
 
     config_path: ClassVar[str] = "csv_monitor"
 
     enabled: _Bool = Field(False, description="write CSV files")
-    output_path: _Str = Field("", description="directory for the files")
+    output_path: _Str = Field("", description="directory for the files (\"\" = the working directory)")
+    job_name: _Str = Field("DeepSpeedJobName", description="sub-directory of output_path")
+
+
+class JSONLMonitorConfig(_ConfigModel):
+    """``jsonl_monitor`` (shardtrain's own; DeepSpeed ignores the key): one JSON object per step
+    in ``output_path/job_name/metrics.jsonl`` (rank 0); ``shardtrain plot`` reads it."""
+
+    config_path: ClassVar[str] = "jsonl_monitor"
+
+    enabled: _Bool = Field(False, description="write metrics.jsonl (shardtrain only)")
+    output_path: _Str = Field("", description="directory for the file (\"\" = the working directory)")
     job_name: _Str = Field("DeepSpeedJobName", description="sub-directory of output_path")
 
 
@@ -855,6 +880,79 @@ class CommsLoggerConfig(_ConfigModel):
     prof_all: _Bool = Field(True, description="profile every operation")
     debug: _Bool = Field(False, description="include the caller")
     prof_ops: List[_Str] = Field(default_factory=list, description="operations to profile when prof_all is false")
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning
+# --------------------------------------------------------------------------------------------
+
+
+class AutotuningModelInfoConfig(_ConfigModel):
+    """``autotuning.model_info``: ``profile: true`` makes the run a model-info profile."""
+
+    config_path: ClassVar[str] = "autotuning.model_info"
+    drops_auto: ClassVar[bool] = False
+
+    profile: _Bool = Field(False, description="measure parameters and activation memory, write "
+                                              "model_info_path (rank 0), then exit")
+    num_params: Optional[_Int] = Field(None, ge=0, description="parameter count, if known")
+    hidden_size: Optional[_Int] = Field(None, ge=0, description="hidden size, if known")
+    num_layers: Optional[_Int] = Field(None, ge=0, description="number of layers, if known")
+
+
+class AutotuningConfig(_ConfigModel):
+    """``autotuning``: what ``shardtrain autotune`` reads, and the trial and profile runs it
+    starts (see docs/monitoring.md). With ``enabled`` the run is a trial: it measures steps
+    ``start_profile_step``..``end_profile_step``, writes ``metric_path`` (rank 0) and exits."""
+
+    config_path: ClassVar[str] = "autotuning"
+    drops_auto: ClassVar[bool] = False
+
+    enabled: _Bool = Field(False, description="this run is an autotuning trial: measure, write metric_path, exit")
+    fast: _Bool = Field(True, description="tune only the micro-batch size per ZeRO stage")
+    results_dir: _Str = Field("autotuning_results", description="where shardtrain autotune writes its results")
+    exps_dir: _Str = Field("autotuning_exps", description="where shardtrain autotune writes trial configs and logs")
+    overwrite: _Bool = Field(True, description="false: reuse the result of a trial that already ran")
+    start_profile_step: _Int = Field(3, ge=0, description="first step of a trial's measurement")
+    end_profile_step: _Int = Field(5, gt=0, description="last step of a trial's measurement; the trial exits after it")
+    metric_path: Optional[_Str] = Field(None, description="JSON file a trial writes its metrics to")
+    metric: Annotated[Literal["throughput", "latency", "flops"], BeforeValidator(_lower)] = Field(
+        "throughput", description="what shardtrain autotune optimises")
+    tuner_type: Annotated[Literal["gridsearch", "random", "model_based"], BeforeValidator(_lower)] = Field(
+        "gridsearch", description="search strategy")
+    tuner_early_stopping: _Int = Field(5, gt=0, description="stop after this many trials without improvement")
+    tuner_num_trials: _Int = Field(50, gt=0, description="at most this many trials")
+    arg_mappings: Optional[Dict[str, _Str]] = Field(
+        None, description="config key -> script argument that also receives the trial's value")
+    model_info: Optional[AutotuningModelInfoConfig] = Field(None, description="model-info profile settings")
+    model_info_path: Optional[_Str] = Field(
+        None, description="JSON file of the model-info profile; null = results_dir/profile_model_info/model_info.json")
+    mp_size: _Int = Field(1, gt=0, description="model-parallel size")
+    max_train_batch_size: Optional[_Int] = Field(None, gt=0, description="largest global batch tried")
+    min_train_batch_size: _Int = Field(1, gt=0, description="smallest global batch tried")
+    max_train_micro_batch_size_per_gpu: _Int = Field(1024, gt=0, description="largest micro-batch tried")
+    min_train_micro_batch_size_per_gpu: _Int = Field(1, gt=0, description="smallest micro-batch tried")
+    num_tuning_micro_batch_sizes: _Int = Field(3, gt=0, description="trials per ZeRO stage")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutotuningConfig":
+        if self.start_profile_step >= self.end_profile_step:
+            raise ConfigError(f"autotuning.start_profile_step ({self.start_profile_step}) must be below "
+                              f"autotuning.end_profile_step ({self.end_profile_step}).")
+        low, high = self.min_train_micro_batch_size_per_gpu, self.max_train_micro_batch_size_per_gpu
+        if low > high:
+            raise ConfigError(f"autotuning.min_train_micro_batch_size_per_gpu ({low}) is above "
+                              f"autotuning.max_train_micro_batch_size_per_gpu ({high}).")
+        return self
+
+    @property
+    def profiles_model_info(self) -> bool:
+        """True when this run is a model-info profile."""
+        return self.model_info is not None and self.model_info.profile
+
+    def resolved_model_info_path(self) -> str:
+        """Where the model-info profile is written."""
+        return self.model_info_path or os.path.join(self.results_dir, "profile_model_info", "model_info.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -941,8 +1039,9 @@ class ShardConfig(_ConfigModel):
     gradient_accumulation_steps: _Int = Field(None, description="micro-batches per optimizer step")
     managed_gradient_accumulation: _Bool = Field(True, description="false: every step() is a boundary")
     steps_per_print: Optional[_Int] = Field(None, gt=0, description="log progress every N steps; null = never")
-    wall_clock_breakdown: _Bool = Field(False, description="per-step timers")
-    memory_breakdown: _Bool = Field(False, description="memory logging")
+    wall_clock_breakdown: _Bool = Field(False, description="per-step forward/backward/reduce/optimizer timers, "
+                                                       "logged every steps_per_print steps (rank 0)")
+    memory_breakdown: _Bool = Field(False, description="memory per rank in the steps_per_print log")
     gradient_clipping: _Float = Field(1.0, ge=0.0, description="global-norm clip threshold; 0 disables")
     prescale_gradients: _Bool = Field(False, description="divide by the world size before the all-reduce")
     gradient_predivide_factor: _Float = Field(1.0, gt=0.0,
@@ -980,11 +1079,13 @@ class ShardConfig(_ConfigModel):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig, description="CSV monitor")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases monitor")
     comet: CometConfig = Field(default_factory=CometConfig, description="Comet monitor")
+    jsonl_monitor: JSONLMonitorConfig = Field(default_factory=JSONLMonitorConfig,
+                                              description="JSON-lines monitor (shardtrain only)")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="communication logger")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
-    compile: _Block = Field(default_factory=dict, description="torch.compile / DeepCompile")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile")
     timers: _Block = Field(default_factory=dict, description="throughput timers")
-    autotuning: _Block = Field(default_factory=dict, description="autotuner")
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig, description="autotuner")
     pipeline: _Block = Field(default_factory=dict, description="pipeline parallelism")
     tensor_parallel: _Block = Field(default_factory=dict, description="tensor parallelism")
     expert_parallel: _Block = Field(default_factory=dict, description="expert parallelism")
@@ -1153,7 +1254,7 @@ def _check_combinations(cfg: ShardConfig) -> None:
         users = [name for name, active in (
             ("zero_optimization.stage 3", cfg.zero_optimization.stage == 3),
             ("zero_optimization.zenflow", cfg.zero_optimization.zenflow is not None),
-            ("compile.deepcompile", bool(cfg.compile.get("deepcompile")))) if active]
+            ) if active]
         if users:
             raise ConfigError(f"gradient_allreduce_op \"sum\" cannot be used with {users[0]}; set "
                               "gradient_allreduce_op to \"mean\" (the default).")

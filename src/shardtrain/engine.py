@@ -15,11 +15,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from . import accelerator, comm
+from . import accelerator, checkpointing, comm
+from . import checkpoint as _ckpt
 from .config import ShardConfig
 from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
 from .memory import count_bytes, write_weights
+from .monitor import build_watch
 from .optim import build_optimizer, build_scheduler
 from .precision import LossScaler, Precision, build_loss_scaler
 from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2, ZeroStage3
@@ -70,7 +72,9 @@ class Engine(torch.nn.Module):
                             f"{type(model).__name__}.")
         self.module = model
         self.config = config
+        self._compiled: Optional[Callable] = None
         _apply_logging_keys(config)
+        checkpointing.configure(config=config.activation_checkpointing)
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
@@ -97,6 +101,7 @@ class Engine(torch.nn.Module):
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+        self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (monitor.py)
         # Weights loaded into the module later must reach the fp32 masters too.
         self.module.register_load_state_dict_post_hook(
             lambda module, keys: self._strategy.view.refresh_masters())
@@ -178,13 +183,18 @@ class Engine(torch.nn.Module):
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with accelerator.range("shardtrain.forward"):
+        with accelerator.range("shardtrain.forward"), self._watch.forward(inputs, kwargs):
             inputs, kwargs = self._prepare_inputs(inputs, kwargs)
             grad_on = torch.is_grad_enabled()
             if grad_on:
                 self._strategy.begin_forward()
+            if self.config.compile.enabled and self._compiled is None:
+                log_dist_once("compile.enabled is true in the config but engine.compile() was "
+                              "not called: the module runs eagerly. Call engine.compile() "
+                              "after initialize().", ranks=[0])
             with self._precision.autocast(self.device.type):
-                outputs = self.module(*inputs, **kwargs)
+                run = self._compiled if self._compiled is not None else self.module
+                outputs = run(*inputs, **kwargs)
             self._strategy.end_forward(grad_on)
             return self._hook_outputs(outputs) if grad_on else outputs
 
@@ -220,6 +230,7 @@ class Engine(torch.nn.Module):
     def _enter_backward(self) -> float:
         """Called by the output hook as backward starts; returns the gradient factor."""
         self._backward_calls += 1 if not self._in_engine_backward else 0
+        self._watch.backward_begin()
         self._strategy.begin_backward()
         if self._strategy.reduces_in_backward() and not self._callback_queued:
             self._callback_queued = True
@@ -229,6 +240,7 @@ class Engine(torch.nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._strategy.end_backward(self.gradient_accumulation_steps())
+        self._watch.backward_end()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -241,6 +253,7 @@ class Engine(torch.nn.Module):
             the loss divided by ``gradient_accumulation_steps`` (detached), as DeepSpeed does.
         """
         self._require_optimizer("backward")
+        self._watch.backward_begin(loss)  # the monitors' loss and the backward timer
         gas = self.gradient_accumulation_steps()
         factor = self._scaler.scale * (1 if scale_wrt_gas else gas)
         with accelerator.range("shardtrain.backward"):
@@ -252,6 +265,7 @@ class Engine(torch.nn.Module):
                 self._in_engine_backward = False
             if self._strategy.reduces_in_backward():  # a loss not derived from the outputs
                 self._strategy.end_backward(gas)      # never ran the output hook
+        self._watch.backward_end()
         return loss.detach() / gas if scale_wrt_gas else loss.detach()
 
     @contextlib.contextmanager
@@ -286,12 +300,15 @@ class Engine(torch.nn.Module):
             try:
                 if self.is_gradient_accumulation_boundary():
                     self._take_model_step(lr_kwargs)
+                    self._watch.after_step()  # records, timer logs, profiles (monitor.py)
             finally:
                 self._inside_step = False
             self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
+        self._watch.step_begin()
         grads = self._strategy.optimizer_grads(self.gradient_accumulation_steps())
+        self._watch.lap("reduce")  # the gradient reduction still in flight has landed
         overflow = self._unscale_and_clip(grads)
         if overflow:
             self.skipped_steps += 1
@@ -302,6 +319,7 @@ class Engine(torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self._scaler.update(overflow)
         self._step_applied = not overflow
+        self._watch.lap("optimizer")
         self._clear_grads()
         self._advance_counters()
 
@@ -352,6 +370,24 @@ class Engine(torch.nn.Module):
     def zero_grad(self) -> None:
         """Drops the gradients accumulated since the last step."""
         self._clear_grads()
+
+    # -- monitoring (the rest lives in monitor.py) -------------------------------------------
+
+    def log_metrics(self, step: Optional[int] = None, **values: Any) -> None:
+        """Writes ``values`` (numbers or one-element tensors) to the enabled monitors, rank 0.
+
+        Use it for what the engine cannot see: an evaluation loss, or the training loss when
+        the script calls ``loss.backward()`` instead of ``engine.backward(loss)``.
+
+        Args:
+            step: the x value in ``metrics.jsonl``; default ``global_steps``.
+            values: name -> value; a name without ``/`` becomes ``Train/Samples/<name>`` in
+                TensorBoard and CSV.
+
+        Example:
+            >>> engine.log_metrics(eval_loss=1.83)
+        """
+        self._watch.log_metrics(step, values)
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -417,6 +453,23 @@ class Engine(torch.nn.Module):
         return count_bytes({"params": params, "grads": grads, "master": masters,
                             "optimizer": states})
 
+    def compile(self, backend: Optional[str] = None,
+                compile_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        """Compiles the module with ``torch.compile``; forward and backward then run the
+        compiled graphs. Defaults come from the config's ``compile`` block.
+
+        At stages 0-2 the whole module is compiled: gradient reduction hooks sit on the
+        parameters' gradient accumulation, outside the graphs. At stage 3 each block (the
+        modules inside an ``nn.ModuleList`` or ``nn.Sequential``) is compiled on its own and
+        its parameters are gathered as one unit around it, so no gather breaks a graph.
+
+        Example:
+            >>> engine.compile(backend="inductor", compile_kwargs={"mode": "default"})
+        """
+        options = {**self.config.compile.kwargs, **(compile_kwargs or {})}
+        backend = backend or self.config.compile.backend
+        self._compiled = self._strategy.compile(self.module, backend, options)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Writes the full module weights (in the module's dtype) to one file; call it on
@@ -441,6 +494,71 @@ class Engine(torch.nn.Module):
         self.module.train(mode)
         self.training = mode
         return self
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Saves the full training state to ``<save_dir>/<tag>/``; call it on every rank.
+
+        Saved: the model, optimizer states and fp32 masters, scheduler, loss scaler, step and
+        sample counters, each rank's RNG states, the data loader's position, ``client_state``
+        and the config. The write is atomic: until it completes, the previous checkpoint and
+        ``latest`` stay as they were. The format is described in ``docs/checkpoints.md``.
+
+        Args:
+            save_dir: the directory holding the tags (created if needed).
+            tag: default ``global_step<global_steps>``.
+            client_state: your own values, returned by :meth:`load_checkpoint`; JSON values
+                and tensors (anything else is refused with a TypeError, before any write).
+            save_latest: point ``<save_dir>/latest`` at this tag.
+            exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
+
+        Returns:
+            True.
+
+        Example:
+            >>> engine.save_checkpoint("checkpoints", client_state={"epoch": 3})
+        """
+        return _ckpt.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                     exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                        ) -> tuple[Optional[str], Optional[Dict[str, Any]]]:
+        """Loads a checkpoint saved on any world size and ZeRO stage; call it on every rank.
+
+        Each rank reads only the slices it needs now: no conversion step is needed to change
+        the number of ranks or the stage. Every file is checked; a missing or damaged file,
+        or a checkpoint of another model, raises the same error on every rank, before the
+        engine is changed.
+
+        Args:
+            load_dir: the ``save_dir`` of :meth:`save_checkpoint`.
+            tag: default: the tag named by ``<load_dir>/latest``.
+            load_module_strict: refuse parameter or buffer names that only one side has.
+            load_optimizer_states: also restore optimizer states, fp32 masters and the loss
+                scale (otherwise masters are rebuilt from the loaded weights).
+            load_lr_scheduler_states: also restore the scheduler.
+            load_module_only: restore the module weights only (no counters, RNG, data
+                position, optimizer or scheduler).
+
+        Returns:
+            ``(path of the loaded tag directory, client_state)``, or ``(None, None)`` with a
+            warning when ``tag`` is None and there is no ``latest`` file.
+
+        Raises:
+            FileNotFoundError: the directory, the tag or one of its files is missing.
+            ValueError: a file is truncated or corrupted, or the checkpoint is for another model.
+
+        Example:
+            >>> path, client_state = engine.load_checkpoint("checkpoints")
+        """
+        return _ckpt.load_checkpoint(self, load_dir, tag, load_module_strict,
+                                     load_optimizer_states, load_lr_scheduler_states,
+                                     load_module_only)
 
 
 def _check_offload(zero) -> None:

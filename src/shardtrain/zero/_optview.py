@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import accelerator
+
 Slice = Tuple[int, int]  # [lo, hi) of the parameter's flattened elements
 
 
@@ -36,7 +38,7 @@ class OptimizerView:
         self.params = list(params)
         self.slices = list(slices)
         self.offload = offload
-        self._pin = pin_memory and torch.cuda.is_available()
+        self._pin = pin_memory and accelerator.is_cuda()
         sources = list(sources) if sources is not None else [None] * len(self.params)
         self.sources = [src if src is not None else p.data.view(-1)[lo:hi]
                         for p, (lo, hi), src in zip(self.params, self.slices, sources)]
@@ -90,7 +92,7 @@ class OptimizerView:
             tensor.grad = grad
             out.append(grad)
         if self.offload and self._pin:
-            torch.cuda.synchronize()  # the non-blocking copies to host must have landed
+            accelerator.synchronize()  # the non-blocking copies to host must have landed
         return out
 
     def _to_optimizer(self, tensor: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

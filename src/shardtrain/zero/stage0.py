@@ -92,6 +92,10 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.arrived = 0
 
+    def compile(self, module: torch.nn.Module, backend: str, options: dict):
+        """Returns the callable the engine runs forward through: the compiled module."""
+        return torch.compile(module, backend=backend, **options)
+
     def end_forward(self, grad_enabled: bool) -> None:
         """Forward finished (stage 3 frees what backward will not need)."""
 

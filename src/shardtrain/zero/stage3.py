@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import comm
+from .. import accelerator, comm
 from ._optview import OptimizerView
 from ._params import (ZeroParamStatus, is_partitioned, mark_available, materialize, partition,
                       release, write_shard_from_full)
@@ -53,7 +53,7 @@ class _Group:
         self.offload = offload
         home = torch.device("cpu") if offload else first.device
         self.flat = torch.zeros(self.layout.row, dtype=first.dtype, device=home,
-                                pin_memory=pin_memory and torch.cuda.is_available())
+                                pin_memory=pin_memory and accelerator.is_cuda())
         for i, p in enumerate(params):
             region = self.flat[self.layout.offsets[i]: self.layout.offsets[i] + self.layout.chunks[i]]
             region.copy_(p.ds_tensor)
@@ -189,14 +189,44 @@ class ZeroStage3(ZeroStage2):
                 for group in split_into_buckets(persistent, gather_numel)] if persistent else []
 
     def _install_module_hooks(self, module: torch.nn.Module) -> list:
-        handles = []
+        self._module_hooks: Dict[int, list] = {}
         for m in module.modules():
-            if id(m) not in self._unit_groups:
-                continue
-            handles.append(m.register_forward_pre_hook(self._pre_forward))
-            handles.append(m.register_forward_hook(self._post_forward))
-            _install_access_hooks(m, self)
-        return handles
+            if id(m) in self._unit_groups:
+                self._hook_unit(m)
+        return []
+
+    def _hook_unit(self, m: torch.nn.Module) -> None:
+        self._module_hooks[id(m)] = [m.register_forward_pre_hook(self._pre_forward),
+                                     m.register_forward_hook(self._post_forward)]
+        _install_access_hooks(m, self)
+
+    # -- torch.compile --------------------------------------------------------------------------
+
+    def compile(self, module: torch.nn.Module, backend: str, options: dict):
+        """Compiles each block (a module held in an ``nn.ModuleList`` or ``nn.Sequential``)
+        on its own. A block's parameters become one unit gathered around the whole block,
+        so the compiled code contains no gather and no hook; modules outside blocks keep
+        their own units and run eagerly."""
+        for block in _blocks(module):
+            self._merge_into_unit(block)
+            block.forward = torch.compile(block.forward, backend=backend, **options)
+        self._plan, self._plan_ok = [], False  # the units changed: learn the order again
+        return module
+
+    def _merge_into_unit(self, block: torch.nn.Module) -> None:
+        """The block's unit becomes every group inside it (each keeps its own flat shard
+        buffer, which the optimizer's tensors point into); inner modules lose their hooks."""
+        inner = [m for m in block.modules() if id(m) in self._unit_groups]
+        groups = list({id(g): g for m in inner for g in self._unit_groups[id(m)]}.values())
+        if not groups:
+            return
+        for m in inner:
+            for handle in self._module_hooks.pop(id(m), []):
+                handle.remove()
+            _install_state_hooks(m, self)
+        self._unit_groups[id(block)] = groups
+        self._module_hooks[id(block)] = [block.register_forward_pre_hook(self._pre_forward),
+                                         block.register_forward_hook(self._post_forward)]
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -410,9 +440,40 @@ def _install_access_hooks(m: torch.nn.Module, strategy: ZeroStage3) -> None:
         _ACCESS_CLASSES[cls] = type(cls.__name__, (cls,), {
             "__getattr__": _zero_getattr, "_save_to_state_dict": _zero_save,
             "_load_from_state_dict": _zero_load, "_zero_access_class": True,
+            "_zero_original_class": cls,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     m.__class__ = _ACCESS_CLASSES[cls]
     m._zero_strategy = strategy
+
+
+_STATE_CLASSES: Dict[type, type] = {}
+
+
+def _install_state_hooks(m: torch.nn.Module, strategy: ZeroStage3) -> None:
+    """Like :func:`_install_access_hooks` without the attribute hook, for modules inside a
+    compiled block (their block's unit is gathered around them)."""
+    cls = getattr(type(m), "_zero_original_class", type(m))
+    if cls not in _STATE_CLASSES:
+        _STATE_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "_save_to_state_dict": _zero_save, "_load_from_state_dict": _zero_load,
+            "_zero_access_class": True, "_zero_original_class": cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    m.__class__ = _STATE_CLASSES[cls]
+    m._zero_strategy = strategy
+
+
+def _blocks(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The outermost modules held in an ``nn.ModuleList`` or ``nn.Sequential``."""
+    found: List[torch.nn.Module] = []
+    inside: set = set()
+    for m in module.modules():
+        if id(m) in inside or not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        for child in m.children():
+            if any(True for _ in child.parameters()):
+                found.append(child)
+                inside.update(id(x) for x in child.modules())
+    return found
 
 
 def _zero_getattr(self, name: str):
@@ -425,6 +486,8 @@ def _zero_getattr(self, name: str):
 
 
 def _zero_save(self, destination, prefix, keep_vars):
+    if keep_vars:  # the parameters themselves are asked for, not their values: no gather
+        return super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
     groups = self._zero_strategy.unit_groups(self)
     for g in groups:
         g.active += 1

@@ -1,0 +1,74 @@
+"""Architectural rules, kept by tests: one module talks to torch.distributed, one branches on
+the device type, imports go one way, and the public API is listed in one place."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shardtrain
+
+SRC = Path(shardtrain.__file__).parent
+
+
+def modules():
+    for path in sorted(SRC.rglob("*.py")):
+        yield path.relative_to(SRC).as_posix(), ast.parse(path.read_text())
+
+
+def dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def uses(tree: ast.AST, prefix: str) -> bool:
+    """Code (not strings) that imports or reaches ``prefix`` (e.g. torch.distributed)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith(prefix) for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(prefix):
+            return True
+        if isinstance(node, ast.Attribute) and (dotted(node) == prefix
+                                                or dotted(node).startswith(prefix + ".")):
+            return True
+    return False
+
+
+def test_only_comm_talks_to_torch_distributed():
+    offenders = [name for name, tree in modules() if uses(tree, "torch.distributed")]
+    assert offenders == ["comm.py"], offenders
+
+
+def test_only_accelerator_branches_on_cuda():
+    offenders = [name for name, tree in modules() if uses(tree, "torch.cuda")]
+    assert offenders == ["accelerator.py"], offenders
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node outside ``if TYPE_CHECKING:`` blocks (imports for type hints only)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and dotted(node.test).endswith("TYPE_CHECKING"):
+            skip.update(id(n) for n in ast.walk(node))
+    return [n for n in ast.walk(tree) if id(n) not in skip]
+
+
+def test_nothing_but_the_entry_points_imports_the_engine():
+    importers = []
+    for name, tree in modules():
+        for node in runtime_nodes(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("engine", "shardtrain.engine") \
+                    and node.level in (0, 1):
+                importers.append(name)
+    assert set(importers) <= {"__init__.py", "cli.py"}, importers
+
+
+def test_public_api_is_frozen():
+    assert sorted(shardtrain.__all__) == sorted([
+        "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
+        "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm",
+        "accelerator", "zero", "checkpointing", "__version__"])

@@ -1,0 +1,372 @@
+"""The `shardtrain` command in-process: help, errors, the torchrun command lines `run` builds,
+`estimate` against the ZeRO formula, `info`. Real launches are in test_cli_run.py."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from shardtrain import _launch_shim, accelerator
+from shardtrain.cli import main
+from shardtrain.memory import zero_formula_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "examples" / "train_gpt.py")
+MODELS = str(ROOT / "examples" / "models.py")
+TINY_PARAMS = 28_512  # examples/gpt.py "tiny", lm_head tied to the token embedding
+
+
+def run_cli(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def dry_run(capsys, *argv: str) -> List[List[str]]:
+    """The commands `shardtrain run --dry-run` prints, split into words (comments dropped)."""
+    out = run_cli(capsys, "run", "--dry-run", *argv)
+    return [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+
+
+def usage_error(capsys, *argv: str) -> str:
+    """Asserts exit status 2 with the usage and one error line; returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: shardtrain"), err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    return errors[0]
+
+
+# -- help -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["estimate"], ["info"]])
+def test_help_is_complete_and_shows_examples(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: shardtrain {' '.join(command)}".rstrip())
+    assert "examples:" in out and f"shardtrain {' '.join(command)}".rstrip() + " " in out
+    for option in {"run": ["--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint",
+                           "--max-restarts", "--hostfile", "--local-rank-arg", "--dry-run"],
+                   "estimate": ["--model", "--nproc", "--nnodes", "--dtype", "--optimizer",
+                                "--json"],
+                   "info": ["--json"]}.get(" ".join(command), ["run", "estimate", "info"]):
+        assert option in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("shardtrain 0.")
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "required: COMMAND"),
+    (["launch"], "invalid choice: 'launch'"),
+    (["run"], "give the training script"),
+    (["run", "missing.py"], "script not found: 'missing.py'"),
+    (["run", "--nproc", "0", SCRIPT], "argument --nproc: expected a whole number >= 1"),
+    (["run", "--nproc", "two", SCRIPT], "expected a whole number, got 'two'"),
+    (["run", "--nnodes", "3:2", SCRIPT], "expected 1 <= MIN <= MAX"),
+    (["run", "--nnodes", "2", SCRIPT], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["run", "--rdzv-endpoint", "node0", SCRIPT], "expected HOST:PORT"),
+    (["run", "--rdzv-endpoint", "node0:70000", SCRIPT], "port in 1-65535"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "2", SCRIPT],
+     "--node-rank 2 must be below --nnodes 2"),
+    (["run", "--max-restarts", "-1", SCRIPT], "expected a whole number >= 0"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static", SCRIPT],
+     "static needs --node-rank"),
+    (["run", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static",
+      "--node-rank", "0", "--max-restarts", "1", SCRIPT], "--max-restarts needs the c10d"),
+    (["run", "--hostfile", "/no/such/hostfile", SCRIPT], "cannot read --hostfile"),
+    (["estimate"], "required: --model"),
+    (["estimate", "--model", "mypkg.build"], "expected MODULE:FACTORY"),
+    (["estimate", "--model", "no_such_package_xyz:build"], "cannot import 'no_such_package_xyz'"),
+    (["estimate", "--model", "/no/such/models.py:build"], "no such file"),
+    (["estimate", "--model", f"{MODELS}:nope"], "has no attribute 'nope'"),
+    (["estimate", "--model", f"{MODELS}:gpt_tiny", "--dtype", "int8"], "invalid choice: 'int8'"),
+    (["estimate", "--model", f"{MODELS}:gpt", "--model-kwargs", "[1]"], "a JSON object"),
+    (["estimate", "--model", f"{MODELS}:gpt", "--model-kwargs", "{n_layer: 2}"], "not JSON"),
+    (["info", "--verbose"], "unrecognized arguments: --verbose"),
+])
+def test_a_wrong_argument_is_one_error_line_under_the_usage(capsys, argv, message):
+    assert message in usage_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("node0 slots=4\nnode0 slots=2\n", "listed twice"),
+    ("node0 slots=0\n", "expected 'HOST slots=N' with N >= 1"),
+    ("node0 4\n", "hostfile:1: expected 'HOST slots=N'"),
+    ("# only comments\n\n", "lists no hosts"),
+])
+def test_bad_hostfiles_name_the_line(capsys, tmp_path, text, message):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(text)
+    assert message in usage_error(capsys, "run", "--hostfile", str(hostfile), "--dry-run", SCRIPT)
+
+
+def test_hostfile_excludes_sizes_given_twice(capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    assert "drop --nproc" in usage_error(capsys, "run", "--hostfile", str(hostfile), "--nproc",
+                                         "2", SCRIPT)
+
+
+def test_a_failing_factory_is_one_error_line(capsys, tmp_path):
+    (tmp_path / "bad_models.py").write_text(
+        "import torch\n"
+        "def loads_weights():\n    return torch.nn.Linear(2, 2).weight.sum().item()\n"
+        "def not_a_module():\n    return 3\n")
+    assert main(["estimate", "--model", f"{tmp_path}/bad_models.py:loads_weights"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("shardtrain estimate: error: ")
+    assert "failed on the meta device" in err
+    assert "not a torch.nn.Module" in usage_error(
+        capsys, "estimate", "--model", f"{tmp_path}/bad_models.py:not_a_module")
+
+
+# -- run: the torchrun command lines ----------------------------------------------------------
+
+
+def test_one_node_uses_a_standalone_rendezvous(capsys):
+    (cmd,) = dry_run(capsys, "--nproc", "2", SCRIPT, "--config", "c.json")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[3:] == ["--nnodes", "1", "--nproc-per-node", "2", "--standalone",
+                       "--max-restarts", "0", "--", SCRIPT, "--config", "c.json"]
+
+
+def test_nproc_defaults_to_the_gpus_or_one(capsys):
+    (cmd,) = dry_run(capsys, SCRIPT)
+    want = __import__("torch").cuda.device_count() if accelerator.is_cuda() else 1
+    assert cmd[cmd.index("--nproc-per-node") + 1] == str(want)
+
+
+def test_multi_node_meets_at_the_endpoint_through_c10d(capsys):
+    (cmd,) = dry_run(capsys, "--nnodes", "2", "--node-rank", "1", "--nproc", "8",
+                     "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7", SCRIPT)
+    assert cmd[3:-2] == ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7",
+                         "--max-restarts", "0"]
+
+
+def test_static_rendezvous_pins_the_node_rank(capsys):
+    (cmd,) = dry_run(capsys, "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static",
+                     "--rdzv-endpoint", "node0:29500", SCRIPT)
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "static"
+    assert cmd[cmd.index("--node-rank") + 1] == "1"
+
+
+def test_script_arguments_never_reach_torchrun_or_shardtrain(capsys):
+    """Options of either parser after the script belong to the script: "--" shields them."""
+    args = ["--nproc", "3", "--nnodes", "4", "--dry-run", "-m", "--", "--x"]
+    (cmd,) = dry_run(capsys, "--nproc", "2", SCRIPT, *args)
+    assert cmd[cmd.index("--") + 1:] == [SCRIPT, *args]
+
+
+def test_restarts_give_each_attempt_a_fresh_store(capsys, monkeypatch):
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    (cmd,) = dry_run(capsys, "--nproc", "2", "--max-restarts", "3", SCRIPT)
+    assert cmd[0] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    assert cmd[cmd.index("--max-restarts") + 1] == "3"
+    (cmd,) = dry_run(capsys, "--nproc", "2", SCRIPT)
+    assert cmd[0] == sys.executable
+
+
+def test_local_rank_arg_and_modules_go_through_the_shim(capsys):
+    (cmd,) = dry_run(capsys, "--local-rank-arg", "--nproc", "2", SCRIPT, "--a")
+    assert cmd[cmd.index("--max-restarts") + 2:] == ["-m", "--", "shardtrain._launch_shim",
+                                                     SCRIPT, "--a"]
+    (cmd,) = dry_run(capsys, "-m", "--nproc", "2", "pkg.train", "--a")
+    assert cmd[-4:] == ["-m", "--", "pkg.train", "--a"]
+    (cmd,) = dry_run(capsys, "-m", "--local-rank-arg", "--nproc", "2", "pkg.train")
+    assert cmd[-5:] == ["-m", "--", "shardtrain._launch_shim", "--module", "pkg.train"]
+
+
+def test_the_shim_puts_local_rank_first_like_deepspeed(tmp_path, monkeypatch):
+    script = tmp_path / "ds_script.py"
+    script.write_text("import sys, json\n"
+                      f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv))\n")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    _launch_shim._run([str(script), "--deepspeed_config", "ds.json"])
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv == [str(script), "--local_rank=3", "--deepspeed_config", "ds.json"]
+
+
+def test_hostfile_prints_every_nodes_command(capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# DeepSpeed format\nworker-1 slots=4\nworker-2 slots=2  # smaller\n")
+    out = run_cli(capsys, "run", "--hostfile", str(hostfile), "--dry-run", SCRIPT)
+    assert "# node 0: run on worker-1 (4 processes)" in out
+    assert "# node 1: run on worker-2 (2 processes)" in out
+    cmds = [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+    assert [c[c.index("--nproc-per-node") + 1] for c in cmds] == ["4", "2"]
+    assert all(c[c.index("--nnodes") + 1] == "2" for c in cmds)
+    assert all(c[c.index("--rdzv-endpoint") + 1] == "worker-1:29500" for c in cmds)
+    (one,) = dry_run(capsys, "--hostfile", str(hostfile), "--node-rank", "1", SCRIPT)
+    assert one == cmds[1]
+
+
+def test_hostfile_finds_this_host(capsys, tmp_path):
+    import socket
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"elsewhere slots=1\n{socket.gethostname()} slots=3\n")
+    # Without --dry-run it would exec torchrun; the plan is what is checked here.
+    from shardtrain import cli
+    args = cli.build_parser().parse_args(["run", "--hostfile", str(hostfile), SCRIPT])
+    (launch,) = cli._hostfile_launches(args)
+    assert launch.label.startswith("node 1:") and "--nproc-per-node" in launch.argv
+
+
+# -- estimate ---------------------------------------------------------------------------------
+
+
+def estimate(capsys, *argv: str) -> dict:
+    return json.loads(run_cli(capsys, "estimate", "--json", *argv))
+
+
+@pytest.mark.parametrize("dtype,optimizer,sizes", [
+    ("fp32", "adam", (4, 4, 8)), ("fp32", "sgd", (4, 4, 4)),
+    ("bf16", "adam", (2, 2, 12)), ("fp16", "sgd", (2, 2, 8)),
+])
+def test_estimate_equals_the_zero_formula(capsys, dtype, optimizer, sizes):
+    report = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4", "--nnodes", "2",
+                      "--dtype", dtype, "--optimizer", optimizer, "--persistence-threshold", "0")
+    assert report["parameters"] == report["trainable_parameters"] == TINY_PARAMS
+    assert report["world_size"] == 8
+    for row in report["stages"]:
+        want = zero_formula_bytes(TINY_PARAMS, 8, row["stage"], *sizes)
+        assert row["total"] == pytest.approx(want, abs=1)
+        assert row["params"] + row["grads"] + row["optimizer"] == pytest.approx(row["total"], abs=2)
+        if row["stage"]:
+            assert row["offload"]["device"] == row["params"] + row["grads"]
+            assert row["offload"]["host"] == row["optimizer"]
+            assert row["offload"]["host_per_node"] == 4 * row["optimizer"]
+        else:
+            assert row["offload"] is None
+
+
+def test_stage_3_keeps_small_parameters_whole(capsys):
+    plain = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4",
+                     "--persistence-threshold", "0")
+    everything = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4")
+    assert everything["persistent_parameters"] == TINY_PARAMS  # all below 100,000 elements
+    extra = everything["stages"][3]["params"] - plain["stages"][3]["params"]
+    assert extra == pytest.approx(2 * TINY_PARAMS * 3 / 4, abs=1)
+    assert everything["stages"][:3] == plain["stages"][:3]
+
+
+def test_estimate_counts_tied_once_and_frozen_without_grads(capsys, tmp_path):
+    (tmp_path / "frozen_models.py").write_text(
+        "import torch\n"
+        "def half_frozen():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))\n"
+        "    m[0].requires_grad_(False)\n"
+        "    return m\n")
+    report = estimate(capsys, "--model", f"{tmp_path}/frozen_models.py:half_frozen", "--nproc",
+                      "2", "--dtype", "fp32", "--persistence-threshold", "0")
+    assert report["parameters"] == 20_200 and report["trainable_parameters"] == 10_100
+    stage0 = report["stages"][0]
+    assert stage0["params"] == 4 * 20_200 and stage0["grads"] == 4 * 10_100
+    assert stage0["optimizer"] == 8 * 10_100
+
+
+def test_estimate_builds_on_the_meta_device_without_memory(capsys):
+    """About 80 GB of fp32 weights: only possible because nothing is allocated."""
+    report = estimate(capsys, "--model", f"{MODELS}:gpt", "--model-kwargs",
+                      json.dumps({"n_layer": 48, "n_embd": 4096, "n_head": 32}), "--nproc", "8")
+    assert report["parameters"] > 9_000_000_000
+
+
+def test_estimate_table_shows_the_formula(capsys):
+    out = run_cli(capsys, "estimate", "--model", f"{MODELS}:gpt_tiny", "--nproc", "2")
+    assert f"{TINY_PARAMS:,} parameters" in out and "2 ranks" in out
+    assert "stage 2: p * P + (g + K) * P / N" in out
+    assert "K = 12 (fp32 master 4 + Adam moments 8)" in out
+    assert len([line for line in out.splitlines() if re.match(r"[0-3] ", line)]) == 4
+
+
+def test_a_module_factory_imports_from_the_current_folder(capsys, tmp_path, monkeypatch):
+    (tmp_path / "mypkg_models_x.py").write_text(
+        "import torch\ndef build():\n    return torch.nn.Linear(10, 10)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    report = estimate(capsys, "--model", "mypkg_models_x:build", "--nproc", "1")
+    assert report["parameters"] == 110
+
+
+# -- info -------------------------------------------------------------------------------------
+
+
+def test_info_reports_versions_backends_and_the_launcher(capsys, monkeypatch):
+    import torch
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    out = run_cli(capsys, "info")
+    assert f"torch        {torch.__version__}" in out
+    assert "gloo yes" in out and "nccl " in out
+    assert "launcher     torchrun: rank 3 of 4, local rank 1" in out
+    assert "  RANK=3" in out and "  WORLD_SIZE=4" in out
+    report = json.loads(run_cli(capsys, "info", "--json"))
+    assert report["launcher"]["source"] == "torchrun" and report["backends"]["gloo"] is True
+    assert report["host"]["cpus"] == os.cpu_count()
+    assert len(report["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available()
+                                      else 0)
+
+
+def test_info_alone_is_a_single_process(capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                 "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    report = json.loads(run_cli(capsys, "info", "--json"))
+    assert report["launcher"]["source"] == "single" and report["launcher"]["world_size"] == 1
+
+
+def test_a_broken_model_module_is_one_error_line(capsys, tmp_path, monkeypatch):
+    (tmp_path / "broken_models_x.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "syntax_models_x.py").write_text("def build(:\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for spec, message in [("broken_models_x:build", "No module named 'no_such_dependency_xyz'"),
+                          (f"{tmp_path}/syntax_models_x.py:build", "SyntaxError")]:
+        assert main(["estimate", "--model", spec]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("shardtrain estimate: error: importing ")
+        assert message in err
+
+
+def test_consolidate_command_writes_loadable_weights(tmp_path, capsys):
+    """`shardtrain consolidate` on a checkpoint saved by this process (one rank)."""
+    import safetensors.torch
+    import torch
+    import shardtrain
+    from shardtrain.cli import main
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    engine, *_ = shardtrain.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.save_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "model.safetensors"
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(out), "--dtype", "bf16"]) == 0
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).bfloat16()
+    fresh.load_state_dict(safetensors.torch.load_file(out))
+    assert torch.equal(fresh[0].weight, model[0].weight.detach().bfloat16())
+    assert main(["consolidate", str(tmp_path / "missing"), str(out)]) == 1
+    assert "missing" in capsys.readouterr().err

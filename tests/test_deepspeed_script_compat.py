@@ -1,0 +1,445 @@
+"""docs/deepspeed_compat.md: what a DeepSpeed script and config get from shardtrain, kept honest.
+
+The doc's tables are generated here, so they cannot drift from the code:
+
+* every config key of DeepSpeed 0.19.8 (as /work/shared/DEEPSPEED_FACTS.md lists them) with
+  its status from ``shardtrain.config.config_table()``; a key the table does not have must be
+  listed in ``NOT_IN_TABLE`` with its reason, and ``load_config`` must refuse it;
+* every DeepSpeed function, class, engine method and attribute a script is likely to use,
+  with its status; the test imports shardtrain and checks with ``hasattr`` (on a real
+  one-process engine for the engine rows) that each name marked as present exists and each
+  name marked as missing does not.
+
+Regenerate the doc after a change: ``python tests/test_deepspeed_script_compat.py --write``.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import pytest
+import torch
+
+import shardtrain
+from shardtrain.config import ConfigError, config_table, load_config
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "deepspeed_compat.md"
+
+# -- config keys ------------------------------------------------------------------------------
+
+# Every key DEEPSPEED_FACTS.md names (sections 1, 1a-1d), removed ones included.
+_TOP = """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps
+managed_gradient_accumulation steps_per_print wall_clock_breakdown memory_breakdown
+gradient_clipping prescale_gradients gradient_predivide_factor gradient_allreduce_op
+communication_data_type seq_parallel_communication_data_type zero_allow_untested_optimizer
+zero_force_ds_cpu_optimizer dataloader_drop_last disable_allgather dump_state disable_python_gc
+vocabulary_size log_level use_data_before_expert_parallelism sequence_parallel_size
+data_parallel_size allgather_size zero_optimization fp16 bf16 bfloat16 torch_autocast optimizer
+scheduler activation_checkpointing flops_profiler tensorboard csv_monitor wandb comet
+comms_logger checkpoint data_types aio autotuning pipeline data_efficiency hybrid_engine compile
+tensor_parallel expert_parallel timers datastates_ckpt weight_quantization model_info
+nebula compression_training amp quantize_training sparse_gradients eigenvalue sparse_attention
+elasticity graph_harvesting curriculum_learning progressive_layer_drop"""
+_SUB = {
+    "zero_optimization": """stage contiguous_gradients reduce_scatter reduce_bucket_size
+        use_multi_rank_bucket_allreduce allgather_partitions allgather_bucket_size overlap_comm
+        compute_grad_norm load_from_fp32_weights elastic_checkpoint offload_param
+        offload_optimizer zenflow sub_group_size stage3_prefetch_bucket_size
+        stage3_param_persistence_threshold stage3_model_persistence_threshold
+        stage3_max_live_parameters stage3_max_reuse_distance
+        stage3_gather_16bit_weights_on_model_save stage3_gather_fp16_weights_on_model_save
+        stage3_module_granularity_threshold stage3_use_all_reduce_for_fetch_params
+        stage3_allgather_sequential ignore_unused_parameters legacy_stage1 round_robin_gradients
+        parameter_alignment zero_hpz_partition_size zero_quantized_weights
+        zero_quantized_nontrainable_weights zero_quantized_gradients memory_efficient_linear
+        pipeline_loading_checkpoint override_module_apply log_trace_cache_warnings
+        enable_sanity_checks save_muon_momentum_buffer_in_memory leaf_module cpu_offload
+        cpu_offload_param cpu_offload_use_pin_memory mics_shard_size
+        mics_hierarchical_params_gather zeropp_loco_param""",
+    "zero_optimization.offload_param": "device nvme_path buffer_count buffer_size max_in_cpu pin_memory",
+    "zero_optimization.offload_optimizer": """device nvme_path buffer_count pin_memory pipeline_read
+        pipeline_write fast_init ratio super_offload cpuadam_cores_perc""",
+    "fp16": """enabled auto_cast loss_scale initial_scale_power loss_scale_window hysteresis
+        consecutive_hysteresis min_loss_scale fp16_master_weights_and_grads""",
+    "bf16": """enabled immediate_grad_update check_grad_overflow bf16_master_weights_and_grads
+        bf16_optimizer_states""",
+    "torch_autocast": "enabled dtype lower_precision_safe_modules",
+    "data_types": "grad_accum_dtype param_dtype buffer_dtype keep_in_fp32_modules",
+    "optimizer": "type params legacy_fusion",
+    "scheduler": "type params",
+    "tensorboard": "enabled output_path job_name",
+    "csv_monitor": "enabled output_path job_name",
+    "wandb": "enabled group team project",
+    "comet": "enabled samples_log_interval",
+    "flops_profiler": "enabled recompute_fwd_factor profile_step module_depth top_modules detailed output_file",
+    "activation_checkpointing": """partition_activations contiguous_memory_optimization
+        cpu_checkpointing number_checkpoints synchronize_checkpoint_boundary profile""",
+    "checkpoint": "tag_validation load_universal use_node_local_storage parallel_write checkpoint_serialization writer",
+    "checkpoint.parallel_write": "pipeline_stage",
+    "checkpoint.writer": "type io_buffer_size io_buffer_double io_multiplier show_statistics data_parallel decoupled",
+    "comms_logger": "enabled verbose prof_all debug prof_ops",
+    "timers": "throughput",
+}
+DEEPSPEED_KEYS: List[str] = _TOP.split() + [f"{block}.{key}" for block, keys in _SUB.items()
+                                            for key in keys.split()]
+
+#: DeepSpeed keys with no row of their own in config_table(): key -> (status, why).
+NOT_IN_TABLE: Dict[str, Tuple[str, str]] = {
+    "timers.throughput": ("planned: refused unless disabled",
+                          "the whole `timers` block is planned (throughput timers); "
+                          "`{\"throughput\": {\"enabled\": false}}` is not accepted either, "
+                          "leave the block out"),
+}
+#: a value that load_config must refuse for each key of NOT_IN_TABLE
+_REFUSED_EXAMPLE = {"timers.throughput": {"timers": {"throughput": {"enabled": True}}}}
+
+_STATUS = {
+    "honoured": "supported",
+    "accepted (no effect: see notes)": "accepted, no effect",
+    "planned (refused unless default)": "planned: refused unless default",
+    "removed (refused)": "refused: removed in DeepSpeed too",
+}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def config_rows() -> List[Dict[str, str]]:
+    """One row per DeepSpeed key, in the facts' order."""
+    table = {row["key"]: row for row in config_table()}
+    rows = []
+    for key in DEEPSPEED_KEYS:
+        if key in table:
+            row = table[key]
+            rows.append({"key": key, "status": _STATUS[row["status"]],
+                         "default": row["default"], "notes": row["notes"]})
+        else:
+            status, why = NOT_IN_TABLE[key]
+            rows.append({"key": key, "status": status, "default": "", "notes": why})
+    return rows
+
+
+def other_rows() -> List[Dict[str, str]]:
+    """Keys shardtrain reads beyond the facts' list: pydantic field names that DeepSpeed
+    also accepts for its aliases, sub-keys of blocks the facts list without detail, and
+    shardtrain's own (`jsonl_monitor`)."""
+    known = set(DEEPSPEED_KEYS)
+    return [{"key": r["key"], "status": _STATUS[r["status"]], "default": r["default"],
+             "notes": r["notes"]} for r in config_table() if r["key"] not in known]
+
+
+def _config_markdown(rows: List[Dict[str, str]]) -> str:
+    lines = ["| key | shardtrain | default | notes |", "|---|---|---|---|"]
+    for r in rows:
+        default = f"`{_cell(r['default'])}`" if r["default"] else ""
+        lines.append(f"| `{r['key']}` | {r['status']} | {default} | {_cell(r['notes'])} |")
+    return "\n".join(lines)
+
+
+# -- functions, classes, engine methods -------------------------------------------------------
+
+class Api(NamedTuple):
+    name: str    # "initialize", "zero.Init", "Engine.backward" (engine instance), ...
+    status: str  # one of STATUSES
+    notes: str
+
+
+PRESENT = ("supported", "differs", "refused")   # the name exists in shardtrain
+ABSENT = ("planned", "not provided")             # it does not (yet)
+STATUSES = PRESENT + ABSENT
+
+API: List[Api] = [
+    # top level: deepspeed.X -> shardtrain.X
+    Api("initialize", "differs",
+        "same arguments, same `(engine, optimizer, dataloader, lr_scheduler)`; `args.deepspeed_config` "
+        "(or the deprecated `deepscale_config`), `config=` or `config_params=`. Not accepted: "
+        "`mesh_param` (a TypeError; sequence parallelism is planned). `mpu=` raises "
+        "NotImplementedError (no model parallelism). Two configs at once is a ValueError "
+        "(DeepSpeed: AssertionError)"),
+    Api("init_distributed", "supported",
+        "DeepSpeed's signature; joins from torchrun's, SLURM's or OpenMPI's variables (no mpi4py), "
+        "adopts an initialised group, a world of one without a launcher"),
+    Api("add_config_arguments", "supported",
+        "`--deepspeed`, `--deepspeed_config`, `--deepscale`, `--deepscale_config`"),
+    Api("zero", "supported", "the module"),
+    Api("zero.Init", "differs",
+        "partitions each module's parameters when its `__init__` ends; `module=` and "
+        "`enabled=` as in DeepSpeed; `dtype=` casts (default: keep the parameters' dtype, "
+        "the engine casts later for bf16/fp16; DeepSpeed picks fp16/bf16 itself); "
+        "`remote_device`, `pin_memory`, `config_dict_or_path`, `config` are accepted and "
+        "ignored; `data_parallel_group`/`mpu` raise NotImplementedError. Parameters carry "
+        "`ds_id`, `ds_shape`, `ds_numel`, `ds_status`, `ds_tensor`, `ds_persist`, not the "
+        "`all_gather()`/`partition()` methods"),
+    Api("zero.GatheredParameters", "supported",
+        "`modifier_rank=None` read-only, `modifier_rank=r` broadcasts rank r's values into "
+        "every shard, `enabled=False` and plain parameters: no-op. `fwd_module` is accepted "
+        "and not needed (see `register_external_parameter`). Nested blocks over one "
+        "parameter do not raise (DeepSpeed: RuntimeError)"),
+    Api("zero.ZeroParamStatus", "supported", "AVAILABLE, NOT_AVAILABLE, INFLIGHT"),
+    Api("zero.register_external_parameter", "not provided",
+        "not needed: a partitioned parameter read outside the forward of the module that owns "
+        "it (a tied head, a weight used in the loss) is gathered on attribute access during "
+        "the engine's forward and backward"),
+    Api("checkpointing", "supported", "activation checkpointing (`deepspeed.checkpointing`)"),
+    Api("checkpointing.checkpoint", "supported", "on `torch.utils.checkpoint`; every ZeRO stage"),
+    Api("checkpointing.configure", "supported",
+        "`checkpoint_in_cpu`, `synchronize`; `partition_activations`, `contiguous_checkpointing`, "
+        "`num_checkpoints`, `profile` accepted with no effect (no model parallelism)"),
+    Api("checkpointing.is_configured", "supported", ""),
+    Api("checkpointing.reset", "supported", ""),
+    Api("checkpointing.get_cuda_rng_tracker", "not provided",
+        "model-parallel RNG tracking; shardtrain has no model parallelism"),
+    Api("checkpointing.model_parallel_cuda_manual_seed", "not provided",
+        "model-parallel RNG tracking; shardtrain has no model parallelism"),
+    Api("comm", "differs", "`deepspeed.comm`: the functions below, on the world group"),
+    Api("comm.init_distributed", "supported", "as `init_distributed`"),
+    Api("comm.is_initialized", "supported", ""),
+    Api("comm.get_rank", "supported", "world group only: no `group=`"),
+    Api("comm.get_world_size", "supported", "world group only: no `group=`"),
+    Api("comm.get_local_rank", "supported", ""),
+    Api("comm.barrier", "supported", "world group only: no `group=`"),
+    Api("comm.all_reduce", "differs",
+        "`all_reduce(tensor)` sums in place as DeepSpeed's does; `op` is a string "
+        "(`\"sum\"`, `\"max\"`, `\"min\"`), not a `ReduceOp`; no `group=`; returns a handle "
+        "with `wait()`"),
+    Api("comm.broadcast", "differs", "`broadcast(tensor, src)`; no `group=`, no `async_op=`"),
+    Api("comm.all_gather", "differs",
+        "`all_gather(output, input)` into one flat tensor (torch's `all_gather_into_tensor`), "
+        "not DeepSpeed's list form"),
+    Api("comm.reduce_scatter", "differs", "flat tensors (torch's `reduce_scatter_tensor`), sum only"),
+    Api("comm.ReduceOp", "not provided", "pass `op` as a string"),
+    Api("comm.new_group", "not provided", "one data-parallel group: the world"),
+    Api("log_dist", "supported", "`log_dist(message, ranks=[0])`"),
+    Api("logger", "not provided", "`logging.getLogger(\"shardtrain\")`"),
+    Api("__version__", "differs", "shardtrain's own version"),
+    Api("DeepSpeedEngine", "not provided", "the class is `shardtrain.Engine`"),
+    Api("DeepSpeedConfig", "not provided",
+        "`shardtrain.load_config(config, world_size)` gives a typed `shardtrain.ShardConfig`"),
+    Api("DeepSpeedConfigError", "not provided",
+        "config mistakes raise `shardtrain.ConfigError`, a ValueError"),
+    Api("accelerator.get_accelerator", "planned",
+        "`shardtrain.accelerator` is a module of functions (`device()`, `synchronize()`, "
+        "`memory_stats()`, ...); scripts can use `engine.device`"),
+    Api("ops", "not provided",
+        "DeepSpeed's kernels (FusedAdam, DeepSpeedCPUAdam, ...): the config's optimizer "
+        "types build torch optimizers"),
+    Api("init_inference", "not provided", "no inference engine"),
+    Api("PipelineModule", "planned", "pipeline parallelism (`pipeline` config block)"),
+    Api("moe", "planned", "mixture of experts (`expert_parallel` config block)"),
+    Api("OnDevice", "not provided", "build on the meta device with torch's own `torch.device(\"meta\")`"),
+    Api("add_tuning_arguments", "not provided", "LR range-test arguments; use the config's `scheduler` block"),
+    # the engine: DeepSpeedEngine.X -> shardtrain.Engine.X (checked on an instance)
+    Api("Engine.forward", "supported",
+        "`engine(*inputs, **kwargs)`: inputs moved to the device and cast in bf16/fp16 mode; "
+        "any output structure (tensors, tuples, dicts, Transformers `ModelOutput`)"),
+    Api("Engine.backward", "supported",
+        "`backward(loss, retain_graph=False, scale_wrt_gas=True)`, returns `loss / gas`; a plain "
+        "`loss.backward()` gives the same gradients at every stage (DeepSpeed: stages 1-3)"),
+    Api("Engine.step", "supported", "`step(lr_kwargs=None)`; updates at the accumulation boundary"),
+    Api("Engine.zero_grad", "supported", ""),
+    Api("Engine.no_sync", "supported", "stages 0-1; refused at 2-3 (RuntimeError), as in DeepSpeed"),
+    Api("Engine.train", "supported", ""),
+    Api("Engine.eval", "supported", ""),
+    Api("Engine.is_gradient_accumulation_boundary", "supported", ""),
+    Api("Engine.set_gradient_accumulation_boundary", "supported", "sticky, as in DeepSpeed"),
+    Api("Engine.get_lr", "supported", ""),
+    Api("Engine.get_mom", "planned", "read `engine.optimizer.param_groups[i][\"betas\"]`"),
+    Api("Engine.get_global_grad_norm", "differs",
+        "the unscaled norm before clipping; also reported at stage 0 in fp32 when clipping "
+        "measures it (DeepSpeed: None there)"),
+    Api("Engine.was_step_applied", "supported", ""),
+    Api("Engine.train_batch_size", "supported", ""),
+    Api("Engine.train_micro_batch_size_per_gpu", "supported", ""),
+    Api("Engine.gradient_accumulation_steps", "supported", ""),
+    Api("Engine.set_train_batch_size", "planned", "changing the batch triple at run time"),
+    Api("Engine.set_train_micro_batch_size", "planned", "changing the batch triple at run time"),
+    Api("Engine.get_batch_info", "planned", "the three batch methods above give the same numbers"),
+    Api("Engine.zero_optimization_stage", "supported", ""),
+    Api("Engine.zero_optimization", "planned", "config getter; read `engine.config.zero_optimization`"),
+    Api("Engine.fp16_enabled", "planned", "config getter; read `engine.config.fp16.enabled`"),
+    Api("Engine.bfloat16_enabled", "planned", "config getter; read `engine.config.bf16.enabled`"),
+    Api("Engine.gradient_clipping", "planned", "config getter; read `engine.config.gradient_clipping`"),
+    Api("Engine.steps_per_print", "planned", "config getter; read `engine.config.steps_per_print`"),
+    Api("Engine.wall_clock_breakdown", "planned", "config getter; read `engine.config.wall_clock_breakdown`"),
+    Api("Engine.scale", "planned",
+        "loss scaling for a manual backward; a plain `loss.backward()` is already scaled by "
+        "the engine's output hook"),
+    Api("Engine.save_checkpoint", "differs",
+        "DeepSpeed's signature and `latest` file; another on-disk format (safetensors and "
+        "`meta.json`, docs/checkpoints.md): DeepSpeed checkpoints do not load here, nor the "
+        "reverse. Loads on any world size and ZeRO stage"),
+    Api("Engine.load_checkpoint", "differs",
+        "no `custom_load_fn`; returns the tag directory and only the user's `client_state` keys"),
+    Api("Engine.save_16bit_model", "supported",
+        "full weights from every stage (gathered at stage 3); `*.safetensors` writes safetensors"),
+    Api("Engine.save_fp16_model", "planned", "the deprecated name of `save_16bit_model`"),
+    Api("Engine.module_state_dict", "planned", "`engine.module.state_dict()` gives the full weights at every stage"),
+    Api("Engine.load_module_state_dict", "planned", "`engine.module.load_state_dict(sd)` works at every stage"),
+    Api("Engine.deepspeed_io", "planned", "`initialize(training_data=...)` builds the loader"),
+    Api("Engine.compile", "supported", "`compile(backend=None, compile_kwargs=None)`"),
+    Api("Engine.is_compiled", "planned", ""),
+    Api("Engine.destroy", "planned", "`shardtrain.destroy()` tears the process group down"),
+    Api("Engine.empty_partition_cache", "planned",
+        "stage 3 releases gathered parameters after each use and after every step"),
+    Api("Engine.allreduce_gradients", "not provided",
+        "gradients are reduced in buckets during backward; there is nothing to call"),
+    Api("Engine.module", "supported", ""),
+    Api("Engine.optimizer", "differs",
+        "the torch optimizer itself, stepping this rank's (fp32) shards; DeepSpeed returns "
+        "its ZeRO/fp16 wrapper"),
+    Api("Engine.lr_scheduler", "supported", ""),
+    Api("Engine.training_dataloader", "supported", "resumable: its position is in checkpoints"),
+    Api("Engine.global_steps", "supported", ""),
+    Api("Engine.global_samples", "supported", ""),
+    Api("Engine.micro_steps", "supported", ""),
+    Api("Engine.skipped_steps", "supported", ""),
+    Api("Engine.global_rank", "supported", ""),
+    Api("Engine.local_rank", "supported", ""),
+    Api("Engine.world_size", "supported", "the data-parallel world size"),
+    Api("Engine.device", "supported", ""),
+    Api("Engine.config", "differs", "a typed `ShardConfig`, not the config dict"),
+    Api("Engine.dp_world_size", "planned", "`engine.world_size` is the data-parallel size"),
+    Api("Engine.mp_world_size", "planned", "always 1: no model parallelism"),
+    Api("Engine.monitor", "planned", "monitors are configured from the config; `engine.log_metrics(...)` writes to them"),
+]
+
+#: shardtrain names with no row above, for the doc's last table (checked to exist)
+ADDITIONS: List[Tuple[str, str]] = [
+    ("destroy", "tears down the process group `init_distributed` created"),
+    ("log_dist_once", "`log_dist` that logs a message only once"),
+    ("load_config", "the config loader: dict, JSON path or base64 JSON, and the world size"),
+    ("Engine.get_loss_scale", "the current loss scale (1 outside fp16)"),
+    ("Engine.loss_scaler", "the loss scaler (scale, hysteresis, window)"),
+    ("Engine.model_state_bytes", "bytes of parameters, gradients, optimizer states and masters this rank holds"),
+    ("Engine.log_metrics", "writes values to the configured monitors (rank 0)"),
+    ("checkpoint.consolidate", "one safetensors file of full weights from a checkpoint, one CPU process"),
+]
+
+
+def _api_markdown() -> str:
+    lines = ["| DeepSpeed | shardtrain | notes |", "|---|---|---|"]
+    for row in API:
+        shown = f"engine.{row.name[len('Engine.'):]}" if row.name.startswith("Engine.") \
+            else f"deepspeed.{row.name}"
+        lines.append(f"| `{shown}` | {row.status} | {_cell(row.notes)} |")
+    return "\n".join(lines)
+
+
+def _additions_markdown() -> str:
+    lines = ["| shardtrain | what it does |", "|---|---|"]
+    for name, what in ADDITIONS:
+        shown = f"engine.{name[len('Engine.'):]}" if name.startswith("Engine.") else f"shardtrain.{name}"
+        lines.append(f"| `{shown}` | {_cell(what)} |")
+    return "\n".join(lines)
+
+
+def sections() -> Dict[str, str]:
+    """The generated blocks of the doc, by marker name."""
+    return {"config": _config_markdown(config_rows()), "other-keys": _config_markdown(other_rows()),
+            "api": _api_markdown(), "additions": _additions_markdown()}
+
+
+_BLOCK = re.compile(r"(?P<begin><!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n)(?:.*?\n)?"
+                    r"(?P<end><!-- END GENERATED: (?P=name) -->)", re.S)
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block replaced by its current content."""
+    blocks = sections()
+    return _BLOCK.sub(lambda m: m.group("begin") + blocks[m.group("name")] + "\n" + m.group("end"),
+                      text)
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+def test_every_deepspeed_key_has_a_status():
+    table = {row["key"] for row in config_table()}
+    assert len(DEEPSPEED_KEYS) == len(set(DEEPSPEED_KEYS))
+    for key in DEEPSPEED_KEYS:
+        assert (key in table) != (key in NOT_IN_TABLE), key
+    assert set(NOT_IN_TABLE) <= set(DEEPSPEED_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(NOT_IN_TABLE))
+def test_keys_without_a_row_are_refused(key):
+    with pytest.raises(ConfigError):
+        load_config({"train_micro_batch_size_per_gpu": 1, **_REFUSED_EXAMPLE[key]}, 1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A one-process engine: instance attributes exist only on an instance."""
+    model = torch.nn.Linear(2, 2)
+    engine, *_ = shardtrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return engine
+
+
+def _exists(name: str, engine) -> bool:
+    if name.startswith("Engine."):
+        return hasattr(engine, name[len("Engine."):])
+    node: Any = shardtrain
+    for part in name.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return True
+
+
+@pytest.mark.parametrize("row", API, ids=lambda r: r.name)
+def test_api_rows_match_what_shardtrain_has(row, engine):
+    assert row.status in STATUSES, row
+    exists = _exists(row.name, engine)
+    if row.status in PRESENT:
+        assert exists, f"{row.name} is documented as {row.status!r} but shardtrain has no such name"
+    else:
+        assert not exists, (f"{row.name} now exists in shardtrain: update its row "
+                            f"(documented as {row.status!r}) and regenerate the doc")
+
+
+@pytest.mark.parametrize("name", [name for name, _ in ADDITIONS])
+def test_additions_exist(name, engine):
+    assert _exists(name, engine), name
+
+
+def test_initialize_takes_deepspeeds_arguments_but_mesh_param():
+    deepspeed = ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                 "distributed_port", "mpu", "dist_init_required", "collate_fn", "config",
+                 "mesh_param", "config_params"]
+    ours = list(inspect.signature(shardtrain.initialize).parameters)
+    assert [p for p in deepspeed if p not in ours] == ["mesh_param"]
+    assert [p for p in ours if p not in deepspeed] == []
+
+
+def test_engine_methods_take_deepspeeds_arguments(engine):
+    def params(fn):
+        return list(inspect.signature(fn).parameters)
+    assert params(engine.backward) == ["loss", "retain_graph", "scale_wrt_gas"]
+    assert params(engine.step) == ["lr_kwargs"]
+    assert params(engine.save_checkpoint) == ["save_dir", "tag", "client_state", "save_latest",
+                                              "exclude_frozen_parameters"]
+    # DeepSpeed's last argument, custom_load_fn, is the documented difference
+    assert params(engine.load_checkpoint) == ["load_dir", "tag", "load_module_strict",
+                                              "load_optimizer_states", "load_lr_scheduler_states",
+                                              "load_module_only"]
+    assert params(engine.save_16bit_model) == ["save_dir", "save_filename",
+                                               "exclude_frozen_parameters"]
+
+
+def test_doc_is_generated_from_the_code():
+    text = DOC.read_text()
+    names = set(m.group("name") for m in _BLOCK.finditer(text))
+    assert names == set(sections()), f"the doc's generated blocks are {sorted(names)}"
+    assert text == render(text), ("docs/deepspeed_compat.md is out of date: run "
+                                  "`python tests/test_deepspeed_script_compat.py --write`")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_deepspeed_script_compat.py --write")
+    DOC.write_text(render(DOC.read_text()))
+    print(f"wrote {DOC}")
