@@ -137,3 +137,15 @@ def test_loss_scaler_follows_deepspeed_rules():
         floor.update(True)
     static = LossScaler(128, dynamic=False)
     assert after_each(static, [True, False]) == [128, 128]
+
+
+def test_set_train_batch_size_and_get_mom():
+    engine, *_ = shardtrain.initialize(model=model(), config={
+        **CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "betas": [0.8, 0.9]}}})
+    engine.set_train_batch_size(6)
+    assert engine.gradient_accumulation_steps() == 3 and engine.train_batch_size() == 6
+    step(engine, 3)
+    assert engine.global_steps == 1
+    with pytest.raises(ValueError, match="multiple of"):
+        engine.set_train_batch_size(5)
+    assert engine.get_mom() == [(0.8, 0.9)] and engine.dp_world_size == 1

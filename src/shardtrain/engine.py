@@ -415,6 +415,26 @@ class Engine(torch.nn.Module):
             return []
         return [float(g.get("lr", 0.0)) for g in self.optimizer.param_groups]
 
+    def get_mom(self) -> List[Any]:
+        """Each param group's momentum: Adam's ``betas``, else SGD's ``momentum``."""
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Changes the global batch by changing the accumulation steps (the micro-batch
+        stays); the new size must be a multiple of micro-batch x world size."""
+        unit = self.train_micro_batch_size_per_gpu() * self.world_size
+        if train_batch_size <= 0 or train_batch_size % unit:
+            raise ValueError(f"set_train_batch_size({train_batch_size}): give a positive "
+                             f"multiple of train_micro_batch_size_per_gpu x world size = {unit}.")
+        self.config.gradient_accumulation_steps = train_batch_size // unit
+        self.config.train_batch_size = train_batch_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled global gradient norm before clipping at the last step (inf after an
         overflow); None before the first step or when nothing needed the norm."""
@@ -489,6 +509,19 @@ class Engine(torch.nn.Module):
             write_weights(state, os.path.join(save_dir, save_filename))
         comm.barrier()
         return True
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """The deprecated name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """``engine.module.state_dict()``: full weights at every stage."""
+        return self.module.state_dict(destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+
+    def load_module_state_dict(self, state_dict, strict: bool = True):
+        """``engine.module.load_state_dict()``: full weights into the shards at every stage."""
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
