@@ -116,3 +116,20 @@ def _read_logs(logs: List[str]) -> str:
             text = "(no output)"
         parts.append(f"----- rank {rank} -----\n{text}")
     return "\n".join(parts)
+
+
+def run_cases(cases, rank: int, world_size: int, only=None) -> Dict[str, Any]:
+    """Runs each case ``fn(rank, world_size)`` of ``cases`` (name -> fn) on this rank; a case
+    that raises is reported as ``{"error": traceback}`` so it does not hide the others. The
+    ranks meet at a barrier after each case."""
+    from shardtrain import comm
+    results: Dict[str, Any] = {}
+    for name, fn in cases.items():
+        if only and name not in only:
+            continue
+        try:
+            results[name] = fn(rank, world_size)
+        except Exception:  # reported per case
+            results[name] = {"error": traceback.format_exc()}
+        comm.barrier()
+    return results

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 import math
-import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _dist import run_cases
 import shardtrain
 from shardtrain import comm
 
@@ -521,13 +521,4 @@ def run_all(rank: int, world_size: int, only: Optional[List[str]] = None,
             stage: int = 0) -> Dict[str, Any]:
     global STAGE
     STAGE = stage
-    results = {}
-    for name, fn in CASES.items():
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world_size)
-        except Exception:  # reported per case, so one failure does not hide the others
-            results[name] = {"error": traceback.format_exc()}
-        comm.barrier()
-    return results
+    return run_cases(CASES, rank, world_size, only)

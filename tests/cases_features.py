@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 import gpt
+from _dist import run_cases
 import shardtrain
 from shardtrain import checkpointing, comm
 from shardtrain.checkpointing import checkpoint
@@ -122,13 +122,4 @@ CASES = {"checkpointing": case_checkpointing, "compile": case_compile,
 
 
 def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
-    results = {}
-    for name, fn in CASES.items():
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world_size)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        comm.barrier()
-    return results
+    return run_cases(CASES, rank, world_size, only)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gpt
+from _dist import run_cases
 import shardtrain
 from cases_engine import adamw, make_data
 from shardtrain import comm
@@ -242,13 +242,4 @@ def case_gathered_parameters(rank, world):
 
 
 def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
-    results = {}
-    for name, fn in CASES.items():
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world_size)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        comm.barrier()
-    return results
+    return run_cases(CASES, rank, world_size, only)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 
 import pytest
 import torch
@@ -26,18 +25,6 @@ def step(engine, n=1):
         loss = engine(torch.randn(2, 4)).pow(2).mean()
         engine.backward(loss)
         engine.step()
-
-
-@pytest.fixture
-def records():
-    """Records of the shardtrain logger (it does not propagate to pytest's caplog)."""
-    seen = []
-    handler = logging.Handler()
-    handler.emit = seen.append
-    logger = logging.getLogger("shardtrain")
-    logger.addHandler(handler)
-    yield seen
-    logger.removeHandler(handler)
 
 
 def test_initialize_reads_deepspeed_config_from_args(tmp_path):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import re
 import time
 from pathlib import Path
@@ -29,18 +28,6 @@ def analytic_activation_bytes(batch: int) -> int:
     # The first Linear saves its input (for its weight gradient); the ReLU saves its output,
     # which the second Linear saves as its input too (one tensor). Weights are not activations.
     return batch * (IN + HIDDEN) * 4
-
-
-@pytest.fixture
-def records():
-    """Records of the shardtrain logger (it does not propagate to pytest's caplog)."""
-    seen = []
-    handler = logging.Handler()
-    handler.emit = seen.append
-    logger = logging.getLogger("shardtrain")
-    logger.addHandler(handler)
-    yield seen
-    logger.removeHandler(handler)
 
 
 # ---------------------------------------------------------------------------- activation memory
