@@ -20,8 +20,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Stage 0 vs torch DDP (about 3-5 minutes on 2 cores), then ZeRO 1-3 vs torch FSDP2 (1-3 min).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ddp.py
+	$(PY) benchmarks/bench_fsdp.py
 
 # Build outputs and caches; .venv and runs/ are kept (rm -rf them by hand).
 clean:

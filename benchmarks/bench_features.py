@@ -35,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="small")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
