@@ -23,7 +23,7 @@ this small model that keeps the attention weights whole (``--stage3-persistence`
 every gathered group alive from its forward to its backward (``--stage3-reuse``); pass
 ``--stage3-persistence 0 --stage3-reuse 0`` for the exact reshard_after_forward=True pattern.
 
-    python benchmarks/bench_fsdp.py                       # stages 1,2,3, gas 1, about 3 minutes
+    python benchmarks/bench_fsdp.py                       # stages 1,2,3, gas 1, 1-3 min on 2 cores
     python benchmarks/bench_fsdp.py --stages 3 --blocks 3 --steps 1       # a quick look
     python benchmarks/bench_fsdp.py --gas 4 --blocks 4 --steps 1 --json fsdp.json
 """

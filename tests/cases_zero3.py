@@ -241,5 +241,30 @@ def case_gathered_parameters(rank, world):
     return info
 
 
+@case
+def case_gather_count(rank, world):
+    """A GPT whose tied embedding is sharded, no reuse: every step gathers each module's
+    parameters at most once in forward and once in backward."""
+    cfg, data = gpt_tokens(world)
+    torch.manual_seed(0)
+    engine, *_ = shardtrain.initialize(model=gpt.GPT(cfg), config=zero3_config(
+        2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0))
+    counts = []
+    for s in range(data.shape[0]):
+        seen = []
+        observer = lambda op, t: seen.append(op)  # noqa: E731
+        comm.add_observer(observer)
+        try:
+            batch = data[s, rank]
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            forward = seen.count("all_gather")
+            engine.backward(loss)
+            engine.step()
+        finally:
+            comm.remove_observer(observer)
+        counts.append((forward, seen.count("all_gather")))
+    return {"counts": counts}
+
+
 def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
     return run_cases(CASES, rank, world_size, only)

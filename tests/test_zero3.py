@@ -127,3 +127,8 @@ def test_prefetching_and_persistence(run):
     assert prefetched["prefetched"] > 0
     assert tight["prefetched"] == 0 and tight["on_demand"] > prefetched["on_demand"]
     assert result(run, "znet")["persistent"] == {"head.bias": (cz.OUT,)}
+
+
+def test_each_module_gathered_at_most_once_per_pass(run):
+    for forward, total in result(run, "gather_count")["counts"]:
+        assert forward > 0 and total <= 2 * forward, (forward, total)

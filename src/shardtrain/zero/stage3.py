@@ -128,6 +128,7 @@ class ZeroStage3(ZeroStage2):
         self.in_backward = False
         self.in_step = False  # from the engine's forward to the end of its backward
         self._trace: List[_Group] = []
+        self._module_pos: Dict[int, int] = {}  # where each module's forward began in _trace
         self._plan: List[_Group] = []
         self._plan_ok = False
         self.groups: List[_Group] = []
@@ -256,6 +257,8 @@ class ZeroStage3(ZeroStage2):
         groups = self._unit_groups[id(m)]
         for g in groups:
             g.active += 1
+        if not self.in_backward:
+            self._module_pos[id(m)] = len(self._trace)
         for g in groups:
             if not self.in_backward:
                 self._record(g)
@@ -351,10 +354,12 @@ class ZeroStage3(ZeroStage2):
         groups = self._unit_groups[id(m)]
         for g in groups:
             self._fetch(g)
-        positions = [getattr(g, "last_pos", None) for g in groups]
-        positions = [p for p in positions if p is not None and p < len(self._trace)]
-        if positions:
-            self._prefetch(list(reversed(self._trace[: min(positions)])))
+        # Backward runs the forward order in reverse: what this module's forward came after
+        # comes next. (Its own position, not its groups': a tied group's last use may be a
+        # module near the end, and prefetching from there would fetch the whole model.)
+        pos = self._module_pos.get(id(m))
+        if pos is not None:
+            self._prefetch(list(reversed(self._trace[:pos])))
 
     def begin_backward(self) -> None:
         self.in_backward = True
