@@ -152,9 +152,16 @@ def _destroy_at_exit() -> None:
 
 
 def destroy() -> None:
-    """Tears down the default process group (safe to call twice)."""
+    """Tears down the default process group (safe to call twice); call it on every rank.
+
+    The ranks meet first: a rank that finished its last collective may otherwise close its
+    connections while a peer is still receiving that collective's final bytes, and the peer
+    aborts.
+    """
     global _owns_group
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
     _owns_group = False
 
