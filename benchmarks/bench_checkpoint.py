@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from _ranks import run_ranks  # noqa: E402  (next to this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -128,32 +129,14 @@ def _worker(rank, world, port, args, base, queue):
     shardtrain.destroy()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(args) -> dict:
     base = args.dir or Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     base.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, base, queue))
-             for r in range(args.world)]
-    for p in procs:
-        p.start()
     try:
-        result = queue.get(timeout=1800)
+        result = run_ranks(_worker, args.world, args, base)
     finally:
-        for p in procs:
-            p.join()
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    if any(p.exitcode for p in procs):
-        raise SystemExit("a benchmark rank failed; see its output above")
     return result
 
 

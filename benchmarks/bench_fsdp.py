@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from _ranks import run_ranks  # noqa: E402  (next to this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -233,26 +234,8 @@ def _worker(rank, world, port, args, gas, queue):
     shardtrain.destroy()
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(args, gas):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, gas, queue))
-             for port in [_free_port()] for r in range(args.world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a benchmark rank exited with code {p.exitcode}")
-    return result
+    return run_ranks(_worker, args.world, args, gas)
 
 
 def report(result, world):

@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _ranks import run_ranks  # noqa: E402  (next to this file)
 
 # Dense bf16 peak (TFLOP/s) by device name, from the vendors' datasheets.
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -109,19 +108,7 @@ def _run(rank, world, port, args, stage, compiled, queue):
 
 def measure(args, stage, compiled):
     world = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, world, port, args, stage, compiled, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=900)
-    for p in procs:
-        p.join()
-    return result
+    return run_ranks(_run, world, args, stage, compiled, timeout=900)
 
 
 def main(argv=None):
