@@ -333,18 +333,16 @@ PLANNED_CASES = {
     "data_parallel_size": 2,
     "seq_parallel_communication_data_type": "bf16",
     "use_data_before_expert_parallelism": True,
-    "pipeline": {"stages": 2},
     "tensor_parallel": {"autotp_size": 2},
     "expert_parallel": {"enabled": True},
     "hybrid_engine": {"enabled": True},
     "data_efficiency": {"enabled": True},
-    "aio": {"block_size": 1048576},
-    "weight_quantization": {"post_init_quant": {}},
+    "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}},
     "datastates_ckpt": {"host_cache_size": 16},
     "autotuning.fast": False,
     "autotuning.tuner_type": "random",
     "autotuning.mp_size": 2,
-    "timers": {"throughput": {"enabled": False}},
+    "timers": {"throughput": {"enabled": True}},
     "model_info": {"num_params": 10},
 }
 
@@ -390,11 +388,32 @@ def test_every_zero_stage_loads(stage):
     {"tensorboard": {"enabled": False, "output_path": "runs"}},
     {"pipeline": {}},
     {"compile": {"enabled": False}},
+    # planned blocks that ask for nothing, as DeepSpeed's generated configs write them
+    {"hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1}},
+    {"data_efficiency": {"enabled": False, "seed": 1234}},
+    {"timers": {"throughput": {"enabled": False, "synchronized": True}}},
+    {"tensor_parallel": {"autotp_size": 1}},
+    {"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1}, "tp_overlap_comm": False}},
+    # blocks only a planned feature reads
+    {"pipeline": {"stages": "auto", "partition": "best", "activation_checkpoint_interval": 0}},
+    {"aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1}},
     {"sequence_parallel_size": 1},
     {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
 ])
 def test_disabled_forms_are_accepted(extra):
     load(extra)
+
+
+@pytest.mark.parametrize("extra", [
+    {"hybrid_engine": {"enabled": True}},
+    {"hybrid_engine": {"max_out_tokens": 512}},  # enabled is not said to be false
+    {"tensor_parallel": {"autotp_size": 2}},
+    {"tensor_parallel": {"tp": {"tp_size": 4}}},
+    {"timers": {"throughput": {"enabled": False}, "other": {"enabled": True}}},
+])
+def test_planned_blocks_that_ask_for_the_feature_are_refused(extra):
+    (key,) = extra
+    assert f"{key} is not implemented yet in shardtrain (planned)" in error_of(extra)
 
 
 def test_moving_a_stage_out_of_the_gate_is_one_set(all_stages):

@@ -89,9 +89,8 @@ DEEPSPEED_KEYS: List[str] = _TOP.split() + [f"{block}.{key}" for block, keys in 
 #: DeepSpeed keys with no row of their own in config_table(): key -> (status, why).
 NOT_IN_TABLE: Dict[str, Tuple[str, str]] = {
     "timers.throughput": ("planned: refused unless disabled",
-                          "the whole `timers` block is planned (throughput timers); "
-                          "`{\"throughput\": {\"enabled\": false}}` is not accepted either, "
-                          "leave the block out"),
+                          "throughput timers are planned; `{\"throughput\": {\"enabled\": false}}` "
+                          "is accepted, `true` refused"),
 }
 #: a value that load_config must refuse for each key of NOT_IN_TABLE
 _REFUSED_EXAMPLE = {"timers.throughput": {"timers": {"throughput": {"enabled": True}}}}

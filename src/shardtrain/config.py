@@ -98,7 +98,9 @@ IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2, 3})
 
 #: Dotted key -> what the feature is. A planned key is accepted only at its default (disabled)
 #: value; any other value raises ConfigError. Object-valued blocks without a model here
-#: (``pipeline``, ``compile``, ...) count as disabled when they are ``{}`` or ``{"enabled": false}``.
+#: (``hybrid_engine``, ``tensor_parallel``, ...) count as disabled when they ask for nothing:
+#: ``{}``, ``"enabled": false`` (whatever settings come with it), every sub-block disabled, or
+#: for ``tensor_parallel`` a size of at most 1 (see :func:`_block_disabled`).
 PLANNED: Dict[str, str] = {
     "zero_optimization.offload_optimizer.device": "offload to NVMe (cpu is supported)",
     "zero_optimization.offload_param.device": "offload to NVMe (cpu is supported)",
@@ -136,12 +138,10 @@ PLANNED: Dict[str, str] = {
     "data_parallel_size": "explicit device meshes (with sequence_parallel_size)",
     "seq_parallel_communication_data_type": "sequence parallelism",
     "use_data_before_expert_parallelism": "mixture-of-experts group topology",
-    "pipeline": "pipeline parallelism",
     "tensor_parallel": "tensor parallelism",
     "expert_parallel": "expert parallelism",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "data_efficiency": "data efficiency (curriculum sampling, random-LTD)",
-    "aio": "asynchronous NVMe I/O",
     "weight_quantization": "weight quantization",
     "datastates_ckpt": "DataStates asynchronous checkpointing",
     "autotuning.fast": "tuning ZeRO settings beyond the micro-batch size and stage (fast: false)",
@@ -198,6 +198,10 @@ NO_EFFECT: Dict[str, str] = {
         "save_16bit_model always gathers full weights at stage 3",
     "zero_optimization.allgather_partitions":
         "updated shards are always all-gathered (a broadcast per rank gives the same result, slower)",
+    "pipeline": "read only for a pipeline-parallel model (PipelineModule, planned); DeepSpeed "
+                "ignores it for any other model too",
+    "aio": "tunes asynchronous NVMe I/O, which only NVMe offload and the fast checkpoint writers "
+           "use (both planned)",
     "autotuning.model_info.num_params":
         "shardtrain autotune always runs the profile: it needs the measured activation memory",
     "autotuning.model_info.hidden_size": "informational: the profile measures what the autotuner needs",
@@ -1279,13 +1283,29 @@ def _check_planned(cfg: ShardConfig) -> None:
                                 f"to {allowed}. Feature: {feature}.")
             continue
         default = _default_at(key)
-        disabled = (value == default or value in _ALSO_DISABLED.get(key, ())
-                    or (isinstance(value, dict) and value == {"enabled": False}))
+        disabled = value == default or value in _ALSO_DISABLED.get(key, ()) or _block_disabled(key, value)
         if not disabled:
             problems.append(f"{key} is not implemented yet in shardtrain (planned); remove it or set it to "
                             f"{_show(default)}. Got {_show(value)}{_PLANNED_HINTS.get(key, '')}; feature: {feature}.")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _block_disabled(key: str, value: Any) -> bool:
+    """Whether a planned object block asks for nothing, so that DeepSpeed would not run the feature
+    either: ``{}``, ``"enabled": false`` whatever settings come with it (``hybrid_engine``,
+    ``data_efficiency``, ...), only disabled sub-blocks (``timers.throughput``), or a tensor-parallel
+    size of at most 1."""
+    if not isinstance(value, dict):
+        return False
+    if not value or value.get("enabled") is False:
+        return True
+    if key == "tensor_parallel":
+        sizes = (value.get("autotp_size", 0), (value.get("tp") or {}).get("tp_size", 1))
+        return all(isinstance(size, int) and not isinstance(size, bool) and size <= 1 for size in sizes)
+    if "enabled" not in value and all(isinstance(sub, dict) for sub in value.values()):
+        return all(_block_disabled("", sub) for sub in value.values())
+    return False
 
 
 _PLANNED_HINTS: Dict[str, str] = {
