@@ -1,7 +1,9 @@
 """Starting a benchmark's ranks: one spawned process per rank, rank 0's result back."""
 from __future__ import annotations
 
+import queue as queues
 import socket
+import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -15,7 +17,8 @@ def free_port() -> int:
 
 def run_ranks(worker: Callable, world: int, *args: Any, timeout: float = 1800) -> Any:
     """Runs ``worker(rank, world, port, *args, queue)`` on ``world`` processes and returns what
-    rank 0 puts on the queue; exits with an error if a rank fails."""
+    rank 0 puts on the queue. Raises SystemExit as soon as a rank fails (the others are stopped)
+    or after ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -23,11 +26,33 @@ def run_ranks(worker: Callable, world: int, *args: Any, timeout: float = 1800) -
              for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
+    result, failure = None, None
     try:
-        result = queue.get(timeout=timeout)
+        while result is None and failure is None:
+            try:
+                result = queue.get(timeout=1.0)
+            except queues.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    failure = f"rank {failed[0]} exited with code {procs[failed[0]].exitcode}"
+                elif all(p.exitcode == 0 for p in procs):
+                    try:  # the result may have landed just after the wait above
+                        result = queue.get(timeout=1.0)
+                    except queues.Empty:
+                        failure = "the ranks exited without a result"
+                elif time.monotonic() > deadline:
+                    failure = f"no result after {timeout:.0f} s"
+        if failure is None:
+            for p in procs:
+                p.join(timeout=max(deadline - time.monotonic(), 30))
+            if any(p.exitcode for p in procs):
+                failure = "a rank failed after its result"
     finally:
         for p in procs:
-            p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit("a benchmark rank failed; see its output above")
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is not None:
+        raise SystemExit(f"benchmark ranks failed: {failure}; see their output above")
     return result

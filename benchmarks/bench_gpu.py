@@ -113,6 +113,9 @@ def measure(args, stage, compiled):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py: no CUDA device here; `--device cpu --tiny` is a smoke run "
+                         "on the CPU")
     peak = peak_tflops(args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"shardtrain GPU benchmark: {device}, torch {torch.__version__}, bf16, "
@@ -120,18 +123,26 @@ def main(argv=None):
     runs = [(int(s), False) for s in args.stages.split(",")]
     if not args.no_compile:
         runs.append((0, True))
-    rows = []
+    rows, failed = [], []
     for stage, compiled in runs:
-        r = measure(args, stage, compiled)
+        name = f"stage {stage}{' +compile' if compiled else ''}"
+        try:
+            r = measure(args, stage, compiled)
+        except SystemExit as error:  # one failed run does not cost the others
+            print(f"{name:17} FAILED: {error}")
+            failed.append(name)
+            continue
         achieved = r["tokens_s"] * r["flops_token"] / 1e12
         r["mfu"] = achieved / (peak * r["world"]) if peak else None
         rows.append(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"stage {stage}{' +compile' if compiled else '':9} {r['params'] / 1e6:6.1f}M params  "
+        print(f"{name:17} {r['params'] / 1e6:6.1f}M params  "
               f"{r['tokens_s']:10.0f} tokens/s  {r['step_ms']:8.1f} ms/step  MFU {mfu:>6}  "
               f"peak {r['peak_gib']:.2f} GiB  loss {r['loss']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

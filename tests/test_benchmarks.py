@@ -1,0 +1,74 @@
+"""The benchmark scripts stay runnable: a smoke run of the one-command GPU benchmark on the CPU
+(tiny model, every ZeRO stage, 2 ranks), and the rank launcher failing fast when a rank dies.
+
+Figures are not checked here (benchmarks/README.md has them); only that each run trains and
+reports, so the script is ready for the next machine with a GPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_gpu_benchmark_smoke_run_on_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_gpu.py"), "--tiny", "--device", "cpu", "--nproc", "2",
+         "--steps", "2", "--warmup", "1", "--micro", "2", "--no-compile", "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["stage"], r["compiled"]) for r in rows] == [(0, False), (1, False), (2, False), (3, False)]
+    for r in rows:
+        assert r["world"] == 2 and r["tokens_s"] > 0 and math.isfinite(r["loss"])
+        assert r["flops_token"] == 6 * r["params"] + 12 * 2 * 64 * 64  # 6N + 12 L T d, tiny model
+    losses = [r["loss"] for r in rows]
+    assert max(losses) - min(losses) < 0.05, losses  # same model and data at every stage (bf16)
+    for stage in range(4):
+        assert f"stage {stage}" in proc.stdout
+
+
+def test_gpu_benchmark_says_when_there_is_no_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the message is for machines without one")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_gpu.py")], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "no CUDA device here; `--device cpu --tiny` is a smoke run" in proc.stderr
+
+
+def _dies(rank, world, port, queue):
+    if rank == 1:
+        raise RuntimeError("rank 1 breaks")
+    time.sleep(600)  # rank 0 would wait for ever on a collective
+
+
+def test_rank_launcher_fails_fast_when_a_rank_dies():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from _ranks import run_ranks
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match="rank 1 exited with code 1"):
+        run_ranks(_dies, 2, timeout=300)
+    assert time.monotonic() - start < 60
