@@ -41,7 +41,10 @@ def launch(envs, args=(), timeout=60):
 
 def test_single_process_needs_no_launcher():
     (seen,), _ = launch([clean_env()])
+    ops = seen.pop("ops")
     assert seen == {"rank": 0, "world": 1, "local_rank": 0, "sum": 1.0, "source": "single"}
+    assert ops == {"max": 1.0, "min": 1.0, "product": 1.0, "avg": 1.0, "ReduceOp.SUM": 1.0,
+                   "ReduceOp.AVG": 1.0, "async avg": 2.0}
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm", "openmpi"])
@@ -57,6 +60,21 @@ def test_two_processes_from_launcher_variables(launcher):
     assert sorted(s["rank"] for s in seen) == [0, 1]
     assert all(s["world"] == 2 and s["sum"] == 3.0 and s["source"] == launcher for s in seen)
     assert [s["local_rank"] for s in sorted(seen, key=lambda s: s["rank"])] == [0, 1]
+    # ranks hold 1 and 2 (2 and 3 for the asynchronous average)
+    assert all(s["ops"] == {"max": 2.0, "min": 1.0, "product": 2.0, "avg": 1.5, "ReduceOp.SUM": 3.0,
+                            "ReduceOp.AVG": 1.5, "async avg": 2.5} for s in seen)
+
+
+def test_all_reduce_refuses_an_unknown_op_or_another_group():
+    import torch
+    import torch.distributed as dist
+    from shardtrain import comm
+    with pytest.raises(ValueError, match="op 'mean' is not supported; use one of sum, max, min"):
+        comm.all_reduce(torch.ones(1), op="mean")
+    with pytest.raises(ValueError, match="op <RedOpType.BAND: 5> is not supported"):
+        comm.all_reduce(torch.ones(1), op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="world group only; pass group=None"):
+        comm.all_reduce(torch.ones(1), group=object())
 
 
 def test_script_ending_without_destroy_exits_cleanly():

@@ -201,16 +201,15 @@ API: List[Api] = [
     Api("comm.get_world_size", "supported", "world group only: no `group=`"),
     Api("comm.get_local_rank", "supported", ""),
     Api("comm.barrier", "supported", "world group only: no `group=`"),
-    Api("comm.all_reduce", "differs",
-        "`all_reduce(tensor)` sums in place as DeepSpeed's does; `op` is a string "
-        "(`\"sum\"`, `\"max\"`, `\"min\"`), not a `ReduceOp`; no `group=`; returns a handle "
-        "with `wait()`"),
+    Api("comm.all_reduce", "supported",
+        "`all_reduce(tensor, op, group=None, async_op)` in place; `op` a `ReduceOp` (SUM, MAX, MIN, "
+        "PRODUCT, AVG) or its name; `group` must be None (the world)"),
     Api("comm.broadcast", "differs", "`broadcast(tensor, src)`; no `group=`, no `async_op=`"),
     Api("comm.all_gather", "differs",
         "`all_gather(output, input)` into one flat tensor (torch's `all_gather_into_tensor`), "
         "not DeepSpeed's list form"),
     Api("comm.reduce_scatter", "differs", "flat tensors (torch's `reduce_scatter_tensor`), sum only"),
-    Api("comm.ReduceOp", "not provided", "pass `op` as a string"),
+    Api("comm.ReduceOp", "supported", "torch's `ReduceOp`"),
     Api("comm.new_group", "not provided", "one data-parallel group: the world"),
     Api("log_dist", "supported", "`log_dist(message, ranks=[0])`"),
     Api("logger", "not provided", "`logging.getLogger(\"shardtrain\")`"),

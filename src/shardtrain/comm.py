@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
-    "get_local_rank", "barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
+    "get_local_rank", "barrier", "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
     "broadcast_object", "Work", "add_observer", "remove_observer",
 ]
 
@@ -229,13 +229,45 @@ def _notify(op: str, tensor: torch.Tensor) -> None:
         fn(op, tensor)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
-    """Sums (or max/min) ``tensor`` in place across ranks; a world of one returns at once."""
+#: torch's reduction operations, so that ``comm.ReduceOp.SUM`` reads as in DeepSpeed scripts.
+ReduceOp = dist.ReduceOp
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.AVG}
+
+
+def _reduce_op(op) -> "dist.ReduceOp":
+    if isinstance(op, str) and op.lower() in _REDUCE_OPS:
+        return _REDUCE_OPS[op.lower()]
+    if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        for known in _REDUCE_OPS.values():
+            if op == known:
+                return known
+    raise ValueError(f"all_reduce: op {op!r} is not supported; use one of {', '.join(_REDUCE_OPS)} "
+                     "or the matching comm.ReduceOp.")
+
+
+def _check_group(group) -> None:
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError("shardtrain's collectives run on the world group only; pass group=None.")
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False) -> Work:
+    """Reduces ``tensor`` in place across ranks: ``op`` is ``"sum"`` (default), ``"max"``,
+    ``"min"``, ``"product"`` or ``"avg"``, or the matching :data:`ReduceOp`; ``group`` must be
+    None (the world). A world of one returns at once."""
+    reduce_op = _reduce_op(op)
+    _check_group(group)
     _notify("all_reduce", tensor)
     if get_world_size() == 1:
         return Work()
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                 "min": dist.ReduceOp.MIN}[op]
+    if reduce_op == dist.ReduceOp.AVG and dist.get_backend() != "nccl":  # gloo has no AVG: sum, divide
+        world = get_world_size()
+        handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+        if not async_op:
+            tensor.div_(world)
+            return Work()
+        return Work(handle, then=lambda: tensor.div_(world))
     handle = dist.all_reduce(tensor, op=reduce_op, async_op=async_op)
     return Work(handle)
 
