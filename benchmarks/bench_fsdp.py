@@ -75,6 +75,10 @@ def parse_args(argv=None):
                    help="stage3_max_reuse_distance of shardtrain stage 3 (default: shardtrain's, "
                         "1e9 elements, which keeps every group gathered from its forward to its "
                         "backward; 0 re-gathers in backward, as reshard_after_forward=True does)")
+    p.add_argument("--stage3-leaf", default="",
+                   help="comma-separated module classes that shardtrain stage 3 gathers whole "
+                        "(zero_optimization.leaf_module.classes), e.g. Block: one all-gather per "
+                        "block, as FSDP2 wraps each block (default: none)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu (gloo, default) or cuda (NCCL, one GPU per rank)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -190,6 +194,8 @@ def _worker(rank, world, port, args, gas, queue):
                 zero["stage3_param_persistence_threshold"] = args.stage3_persistence
             if args.stage3_reuse is not None and zero["stage"] == 3:
                 zero["stage3_max_reuse_distance"] = args.stage3_reuse
+            if zero["stage"] == 3:
+                zero["leaf_module"] = {"classes": [c for c in args.stage3_leaf.split(",") if c]}
             torch.manual_seed(0)
             engines[name], *_ = shardtrain.initialize(model=gpt.GPT(cfg), config={
                 "train_micro_batch_size_per_gpu": args.micro,

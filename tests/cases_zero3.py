@@ -266,5 +266,122 @@ def case_gather_count(rank, world):
     return {"counts": counts}
 
 
+def _gathers_per_step(engine, data, rank) -> Dict[str, Any]:
+    """Trains on ``data`` counting all-gathers: (forward, whole step) per step."""
+    counts, losses = [], []
+    for s in range(data.shape[0]):
+        seen = []
+        observer = lambda op, t: seen.append(op)  # noqa: E731
+        comm.add_observer(observer)
+        try:
+            batch = data[s, rank]
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            forward = seen.count("all_gather")
+            engine.backward(loss)
+            engine.step()
+        finally:
+            comm.remove_observer(observer)
+        counts.append((forward, seen.count("all_gather")))
+        losses.append(loss.item())
+    return {"counts": counts, "losses": losses, "params": _state(engine.module)}
+
+
+@case
+def case_leaf_blocks(rank, world):
+    """GPT blocks as leaf modules (config, by class name): one gather per block, same training."""
+    cfg, data = gpt_tokens(world)
+    out = {}
+    for leaves in ([], ["Block"]):
+        torch.manual_seed(0)
+        model = gpt.GPT(cfg)
+        engine, *_ = shardtrain.initialize(model=model, config=zero3_config(
+            2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+            leaf_module={"classes": leaves}))
+        out[bool(leaves)] = _gathers_per_step(engine, data, rank)
+        out[bool(leaves)]["leaves"] = [n for n, m in model.named_modules()
+                                       if shardtrain.zero.z3_leaf_module(m)]
+    return out
+
+
+@case
+def case_leaf_selection(rank, world):
+    """Leaves by name, by name suffix and by the granularity threshold, outermost first."""
+    cfg, data = gpt_tokens(world)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    engine, *_ = shardtrain.initialize(model=model, config=zero3_config(
+        2, stage3_param_persistence_threshold=0, stage3_module_granularity_threshold=900,
+        leaf_module={"classes": [], "names": "blocks.0", "name_suffixes": ["mlp"]}))
+    out = _gathers_per_step(engine, data, rank)
+    out["leaves"] = [n for n, m in model.named_modules() if shardtrain.zero.z3_leaf_module(m)]
+    out["units"] = sorted(n for n, m in model.named_modules() if id(m) in engine._strategy._module_hooks)
+    return out
+
+
+class TinyMoE(nn.Module):
+    """Top-1 routing to one of four experts: which experts run depends on the data, so it
+    differs from rank to rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, 4)
+        self.experts = nn.ModuleList(nn.Linear(H, H) for _ in range(4))
+
+    def forward(self, x):
+        weights = torch.softmax(self.gate(x), dim=-1)
+        choice = weights.argmax(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if rows.numel():  # an expert no sample chose does not run
+                out = out.index_add(0, rows, expert(x[rows]) * weights[rows, e:e + 1])
+        return out
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(IN, H)
+        self.moe = TinyMoE()
+        self.head = nn.Linear(H, OUT)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.moe(torch.tanh(self.inp(x)))))
+
+
+def moe_net() -> MoENet:
+    torch.manual_seed(0)
+    return MoENet()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2)  # an expert left out has no gradient: no change
+
+
+@case
+def case_leaf_moe(rank, world):
+    """A mixture of experts whose experts differ between ranks trains at stage 3 once its
+    block is a leaf (marked with shardtrain.utils.set_z3_leaf_modules, DeepSpeed's call)."""
+    from shardtrain.utils import set_z3_leaf_modules
+    x, y = make_data(4, 1, world, 6, seed=5)
+    model = moe_net()
+    set_z3_leaf_modules(model, [TinyMoE])
+    engine, *_ = shardtrain.initialize(model=model, optimizer=sgd, config={
+        "train_micro_batch_size_per_gpu": 6, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    losses, experts = [], []
+    for s in range(x.shape[0]):
+        with torch.no_grad(), GatheredParameters(list(engine.module.inp.parameters())
+                                                 + list(engine.module.moe.gate.parameters())):
+            h = torch.tanh(engine.module.inp(x[s, 0, rank]))  # the experts this rank will run
+            experts.append(sorted(set(engine.module.moe.gate(h).argmax(-1).tolist())))
+        out = engine(x[s, 0, rank])
+        loss = F.cross_entropy(out, y[s, 0, rank])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _state(engine.module), "experts": experts}
+
+
 def run_all(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
     return run_cases(CASES, rank, world_size, only)

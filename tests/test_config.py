@@ -293,11 +293,9 @@ PLANNED_CASES = {
     "zero_optimization.zero_quantized_gradients": True,
     "zero_optimization.zero_hpz_partition_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1},
-    "zero_optimization.leaf_module": {"classes": ["MoE"]},
     "zero_optimization.load_from_fp32_weights": False,
     "zero_optimization.elastic_checkpoint": True,
     "zero_optimization.sub_group_size": 1000,
-    "zero_optimization.stage3_module_granularity_threshold": 5,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": True,
     "zero_optimization.stage3_allgather_sequential": True,
     "zero_optimization.ignore_unused_parameters": False,
@@ -694,3 +692,26 @@ def test_docs_table_is_the_generated_one():
     assert block == config_module._table_markdown(), (
         "docs/config.md is stale; regenerate the block with "
         "python -c 'from shardtrain.config import _table_markdown; print(_table_markdown())'")
+
+
+# ---------------------------------------------------------------------------- ZeRO-3 leaf modules
+
+def test_leaf_module_block_defaults_and_forms():
+    default = load({}).zero_optimization.leaf_module
+    assert default.classes == list(config_module.DEFAULT_LEAF_MODULE_CLASSES)
+    assert default.names == [] and default.name_suffixes == []
+    got = load({"zero_optimization": {"stage": 3, "leaf_module": {
+        "classes": "Block", "names": ["blocks.0", "blocks.0"], "name_suffixes": "mlp"}}})
+    leaf = got.zero_optimization.leaf_module
+    assert (leaf.classes, leaf.names, leaf.name_suffixes) == (["Block"], ["blocks.0"], ["mlp"])
+    assert load({"zero_optimization": {"stage3_module_granularity_threshold": 5e3}}
+                ).zero_optimization.module_granularity_threshold == 5000
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"leaf_module": {"classes": [3]}}, "leaf_module entry must be a string or a list of strings; got [3]"),
+    ({"leaf_module": {"modules": ["Block"]}}, "Unknown config key 'zero_optimization.leaf_module.modules'"),
+    ({"stage3_module_granularity_threshold": -1}, "stage3_module_granularity_threshold"),
+])
+def test_leaf_module_settings_refused(block, message):
+    assert message in error_of({"zero_optimization": block})

@@ -82,6 +82,7 @@ _SUB = {
     "checkpoint.writer": "type io_buffer_size io_buffer_double io_multiplier show_statistics data_parallel decoupled",
     "comms_logger": "enabled verbose prof_all debug prof_ops",
     "timers": "throughput",
+    "zero_optimization.leaf_module": "classes names name_suffixes",
 }
 DEEPSPEED_KEYS: List[str] = _TOP.split() + [f"{block}.{key}" for block, keys in _SUB.items()
                                             for key in keys.split()]
@@ -183,6 +184,14 @@ API: List[Api] = [
         "not needed: a partitioned parameter read outside the forward of the module that owns "
         "it (a tied head, a weight used in the loss) is gathered on attribute access during "
         "the engine's forward and backward"),
+    Api("utils", "differs", "the ZeRO-3 leaf-module marks below; DeepSpeed's other helpers are not provided"),
+    Api("utils.set_z3_leaf_modules", "supported",
+        "classes or class names (`Block`, `package.module.Block`); also `shardtrain.zero.set_z3_leaf_modules`"),
+    Api("utils.unset_z3_leaf_modules", "supported", ""),
+    Api("utils.set_z3_leaf_modules_by_name", "supported", "names as in `named_modules()`"),
+    Api("utils.set_z3_leaf_modules_by_suffix", "supported", ""),
+    Api("utils.z3_leaf_module", "supported", ""),
+    Api("utils.get_z3_leaf_modules", "supported", ""),
     Api("checkpointing", "supported", "activation checkpointing (`deepspeed.checkpointing`)"),
     Api("checkpointing.checkpoint", "supported", "on `torch.utils.checkpoint`; every ZeRO stage"),
     Api("checkpointing.configure", "supported",

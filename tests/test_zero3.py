@@ -132,3 +132,82 @@ def test_prefetching_and_persistence(run):
 def test_each_module_gathered_at_most_once_per_pass(run):
     for forward, total in result(run, "gather_count")["counts"]:
         assert forward > 0 and total <= 2 * forward, (forward, total)
+
+
+def plain_gpt_training(world, tokens):
+    """Single-process GPT training on the global batch, as zero3_config sets it up."""
+    cfg = gpt.gpt_config("tiny")
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    opt = adamw(model.parameters())
+    losses = []
+    for s in range(tokens.shape[0]):
+        opt.zero_grad()
+        per_rank = [model(tokens[s, r, :, :-1], tokens[s, r, :, 1:]) for r in range(world)]
+        (sum(per_rank) / world).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append([x.item() for x in per_rank])
+    return losses, cz._state(model)
+
+
+def test_leaf_blocks_gather_once_and_train_the_same(run):
+    """Blocks marked as leaves (leaf_module.classes ["Block"]): each block's 12 parameters
+    come in one all-gather instead of 8 (one per module), and training is unchanged."""
+    world = run[0]
+    cfg, tokens = cz.gpt_tokens(world)
+    losses, state = plain_gpt_training(world, tokens)
+    per_module, per_leaf = result(run, "leaf_blocks")[False], result(run, "leaf_blocks")[True]
+    assert per_module["leaves"] == []
+    assert per_leaf["leaves"] == [f"blocks.{i}" for i in range(cfg.n_layer)]
+    for (fwd_module, _), (fwd_leaf, total_leaf) in zip(per_module["counts"], per_leaf["counts"]):
+        assert fwd_leaf == fwd_module - 7 * cfg.n_layer, (fwd_module, fwd_leaf)
+        assert total_leaf <= 2 * fwd_leaf
+    for rank in range(world):
+        got = result(run, "leaf_blocks", rank)[True]
+        assert got["losses"] == pytest.approx([l[rank] for l in losses], abs=1e-5)
+    close(per_leaf["params"], state)
+    close(per_module["params"], state)
+
+
+def test_leaves_by_name_suffix_and_granularity(run):
+    """names ["blocks.0"], name_suffixes ["mlp"] and stage3_module_granularity_threshold 900
+    (the tiny GPT's attention modules have 838 elements per layer, its blocks 1152): the
+    outermost marked modules are the units; what is inside them has no hooks of its own."""
+    world = run[0]
+    cfg, tokens = cz.gpt_tokens(world)
+    got = result(run, "leaf_selection")
+    n = cfg.n_layer
+    assert got["leaves"] == ["blocks.0", "blocks.0.attn", "blocks.0.mlp"] + [
+        f"blocks.{i}.{part}" for i in range(1, n) for part in ("attn", "mlp")]
+    want_units = {"tok_emb", "pos_emb", "ln_f", "blocks.0"} | {
+        f"blocks.{i}.{part}" for i in range(1, n) for part in ("ln1", "attn", "ln2", "mlp")}
+    assert set(got["units"]) - {"lm_head"} == want_units
+    losses, state = plain_gpt_training(world, tokens)
+    for rank in range(world):
+        assert result(run, "leaf_selection", rank)["losses"] == pytest.approx(
+            [l[rank] for l in losses], abs=1e-5)
+    close(got["params"], state)
+
+
+def test_mixture_of_experts_with_a_leaf_block(run):
+    """Experts chosen by the data differ between ranks; with the MoE block a leaf, stage 3
+    trains it exactly like single-process training on the global batch."""
+    world = run[0]
+    x, y = make_data(4, 1, world, 6, seed=5)
+    experts = [result(run, "leaf_moe", r)["experts"] for r in range(world)]
+    assert any(len({tuple(e[s]) for e in experts}) > 1 for s in range(x.shape[0])), \
+        "every rank ran the same experts: the case does not test what it should"
+    model = cz.moe_net()
+    opt = cz.sgd(model.parameters())
+    losses = []
+    for s in range(x.shape[0]):
+        opt.zero_grad()
+        per_rank = [torch.nn.functional.cross_entropy(model(x[s, 0, r]), y[s, 0, r]) for r in range(world)]
+        (sum(per_rank) / world).backward()
+        opt.step()
+        losses.append([l.item() for l in per_rank])
+    for rank in range(world):
+        assert result(run, "leaf_moe", rank)["losses"] == pytest.approx([l[rank] for l in losses], abs=1e-5)
+    close(result(run, "leaf_moe")["params"], cz._state(model))
+    same_on_every_rank(run, "leaf_moe")

@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from . import accelerator, checkpointing, comm, zero
+from . import accelerator, checkpointing, comm, utils, zero
 from .comm import destroy, init_distributed
 from .config import ConfigError, ShardConfig, load_config
 from .engine import Engine
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
     "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm", "accelerator",
-    "zero", "checkpointing", "__version__",
+    "zero", "checkpointing", "utils", "__version__",
 ]
 
 

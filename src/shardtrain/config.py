@@ -114,7 +114,6 @@ PLANNED: Dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradient reduction",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical weight partitioning (hpZ)",
     "zero_optimization.zenflow": "ZenFlow",
-    "zero_optimization.leaf_module": "ZeRO-3 leaf modules",
     "bf16.immediate_grad_update": "immediate fp32 gradient accumulation",
     "torch_autocast.lower_precision_safe_modules": "per-module autocast gradient precision",
     "disable_allgather": "disabling the ZeRO all-gather",
@@ -157,7 +156,6 @@ STAGE_TUNING_KEYS: Dict[str, str] = {
     "zero_optimization.load_from_fp32_weights": "ZeRO checkpoints",
     "zero_optimization.elastic_checkpoint": "ZeRO checkpoints",
     "zero_optimization.sub_group_size": "ZeRO-3 sub-groups",
-    "zero_optimization.stage3_module_granularity_threshold": "ZeRO-3 module granularity",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "ZeRO-3 parameter fetching",
     "zero_optimization.stage3_allgather_sequential": "ZeRO-3 parameter fetching",
     "zero_optimization.ignore_unused_parameters": "refusing unused parameters (they are always allowed)",
@@ -482,6 +480,40 @@ class OffloadParamConfig(_ConfigModel):
     pin_memory: _Bool = Field(True, description="page-locked CPU buffers")
 
 
+#: Module classes that are ZeRO-3 leaves unless ``leaf_module.classes`` says otherwise:
+#: mixture-of-experts blocks, whose experts differ from rank to rank (DeepSpeed's defaults).
+DEFAULT_LEAF_MODULE_CLASSES: Tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+def _names_value(value: Any) -> Any:
+    """A list of strings; one string counts as a list of one, as in DeepSpeed."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return list(dict.fromkeys(value))
+    raise ConfigError(f"a zero_optimization.leaf_module entry must be a string or a list of strings; "
+                      f"got {_show(value)}.")
+
+
+_Names = Annotated[List[str], BeforeValidator(_names_value)]
+
+
+class LeafModuleConfig(_ConfigModel):
+    """``zero_optimization.leaf_module``: modules that ZeRO-3 gathers whole, children included,
+    with one all-gather and hooks on the module alone (see :mod:`shardtrain.zero.leaf`)."""
+
+    config_path: ClassVar[str] = "zero_optimization.leaf_module"
+
+    classes: _Names = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES),
+                            description="class names (`Block` or `package.module.Block`)")
+    names: _Names = Field(default_factory=list, description="module names as in `named_modules()`")
+    name_suffixes: _Names = Field(default_factory=list, description="ends of module names")
+
+
 class OffloadOptimizerConfig(_ConfigModel):
     """``zero_optimization.offload_optimizer``: where optimizer states live and step (planned)."""
 
@@ -543,8 +575,9 @@ class ZeroConfig(_ConfigModel):
                                     description="keep a parameter reused within this distance (stage 3)")
     gather_16bit_weights_on_model_save: _Bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save",
                                                      description="gather full 16-bit weights when saving (stage 3)")
-    module_granularity_threshold: _Int = Field(0, alias="stage3_module_granularity_threshold",
-                                              description="fetch fine-grained modules as a unit (stage 3)")
+    module_granularity_threshold: _Int = Field(0, ge=0, alias="stage3_module_granularity_threshold",
+                                              description="modules whose parameters per layer are at most this "
+                                                          "become leaves; 0 = off (stage 3)")
     use_all_reduce_for_fetch_params: _Bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params",
                                                   description="fetch parameters with all-reduce (stage 3)")
     allgather_sequential: _Bool = Field(False, alias="stage3_allgather_sequential",
@@ -563,7 +596,8 @@ class ZeroConfig(_ConfigModel):
     log_trace_cache_warnings: _Bool = Field(False, description="log trace-cache invalidations (stage 3)")
     enable_sanity_checks: _Bool = Field(False, description="internal consistency checks")
     save_muon_momentum_buffer_in_memory: _Bool = Field(False, description="keep Muon momentum off NVMe")
-    leaf_module: _Block = Field(default_factory=dict, description="modules treated as ZeRO-3 leaves")
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig,
+                                          description="modules gathered whole, children included (stage 3)")
 
     @classmethod
     def _translate(cls, data: Dict[str, Any]) -> Dict[str, Any]:

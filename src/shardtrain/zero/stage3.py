@@ -2,7 +2,8 @@
 
 Every rank keeps only its shard of each parameter (``_params``). The parameters a module
 owns directly form one *group* whose shards sit side by side in one flat buffer, so one
-all-gather brings the whole module back. Hooks drive the life of a group:
+all-gather brings the whole module back; a leaf module (``leaf``) owns every parameter
+below it, and the modules inside it get no hooks. Hooks drive the life of a group:
 
 * before a module's forward its groups are gathered (and the next groups of the order
   recorded in the previous step are prefetched, up to ``stage3_prefetch_bucket_size``
@@ -30,6 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import accelerator, comm
+from . import leaf
 from ._optview import OptimizerView
 from ._params import (ZeroParamStatus, is_partitioned, mark_available, materialize, partition,
                       release, write_shard_from_full)
@@ -160,10 +162,17 @@ class ZeroStage3(ZeroStage2):
                 _adopt_device_and_dtype(p)  # built under zero.Init, before the engine moved it
             else:
                 partition(p, world, rank, src=None)  # the engine already broadcast rank 0's
+        # Units: each leaf module with everything inside it, and each other module with the
+        # parameters it holds directly. A unit's parameters are one group per dtype.
+        leaf.apply_config(module, zero.leaf_module, int(zero.module_granularity_threshold))
+        leaves = {id(m) for m in leaf.outermost_leaves(module)}
+        self._inside_leaf = {id(x) for m in module.modules() if id(m) in leaves
+                             for x in m.modules() if x is not m}
         owned: set = set()
         for m in module.modules():
-            direct = [p for p in m._parameters.values() if p is not None and is_partitioned(p)]
-            mine = [p for p in direct if id(p) not in owned]
+            if id(m) in self._inside_leaf:
+                continue
+            mine = [p for p in _unit_params(m, id(m) in leaves) if id(p) not in owned]
             owned.update(id(p) for p in mine)
             by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
             for p in mine:
@@ -171,8 +180,9 @@ class ZeroStage3(ZeroStage2):
             self.groups += [_Group(ps, world, rank, self.offload_param, self.pin_param)
                             for ps in by_dtype.values()]
         for m in module.modules():
-            groups = {id(p.ds_group): p.ds_group for p in m._parameters.values()
-                      if p is not None and is_partitioned(p)}
+            # (a module inside a leaf maps to its leaf's groups: for its state_dict and for
+            # reads of its parameters outside the leaf's forward)
+            groups = {id(p.ds_group): p.ds_group for p in _unit_params(m, id(m) in leaves)}
             if groups:
                 self._unit_groups[id(m)] = list(groups.values())
         for g in self.groups:
@@ -192,7 +202,9 @@ class ZeroStage3(ZeroStage2):
     def _install_module_hooks(self, module: torch.nn.Module) -> list:
         self._module_hooks: Dict[int, list] = {}
         for m in module.modules():
-            if id(m) in self._unit_groups:
+            if id(m) in self._inside_leaf and id(m) in self._unit_groups:
+                _install_access_hooks(m, self)  # gathered with its leaf: no hooks of its own
+            elif id(m) in self._unit_groups:
                 self._hook_unit(m)
         return []
 
@@ -407,6 +419,13 @@ class ZeroStage3(ZeroStage2):
 
     def unit_groups(self, m: torch.nn.Module) -> List[_Group]:
         return self._unit_groups.get(id(m), [])
+
+
+def _unit_params(m: torch.nn.Module, whole: bool) -> List[torch.nn.Parameter]:
+    """The partitioned parameters of ``m``: all of its subtree's when ``whole`` (a leaf),
+    else those it holds directly; each once."""
+    params = m.parameters() if whole else (p for p in m._parameters.values() if p is not None)
+    return list({id(p): p for p in params if is_partitioned(p)}.values())
 
 
 def _adopt_device_and_dtype(p: torch.nn.Parameter) -> None:
