@@ -14,6 +14,8 @@ step is the same for every world size and the single-process reference can follo
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import random
 import shutil
@@ -283,12 +285,37 @@ KILLS = {"mid_files": kill_mid_files, "between_renames": kill_between_renames,
 def resume(rank: int, world: int, path: Path, stage: int, precision: str = "fp32",
            tag: Optional[str] = None, **extra) -> Dict[str, Any]:
     engine = engine_for(world, stage, precision, **extra)
-    loaded, client = engine.load_checkpoint(path, tag=tag)
+    with widest_weight_reads() as reads:
+        loaded, client = engine.load_checkpoint(path, tag=tag)
+    partitioned = {n: p.ds_numel for n, p in engine.module.named_parameters()
+                   if getattr(p, "ds_tensor", None) is not None and not getattr(p, "ds_persist", False)}
     start = engine.global_steps
-    out = {"path": loaded, "client": client, "start": start,
+    out = {"path": loaded, "client": client, "start": start, "reads": reads,
+           "partitioned": partitioned,
            "start_samples": engine.global_samples, "scale_at_load": engine.get_loss_scale()}
     out.update(train(engine, rank, start, STEPS, forever(engine.training_dataloader)))
     return out
+
+
+@contextlib.contextmanager
+def widest_weight_reads() -> Iterator[Dict[str, int]]:
+    """Records, per parameter name, the most elements of its weights (module copy or master)
+    one read of the checkpoint asked for."""
+    from shardtrain import checkpoint as ckpt
+    widest: Dict[str, int] = {}
+    original = ckpt._Reader.read
+
+    def read(self, key, entry, lo, hi, dtype=None):
+        kind, _, name = key.partition("/")
+        if kind in ("param", "master"):
+            widest[name] = max(widest.get(name, 0), hi - lo)
+        return original(self, key, entry, lo, hi, dtype)
+
+    ckpt._Reader.read = read
+    try:
+        yield widest
+    finally:
+        ckpt._Reader.read = original
 
 
 def resume_draws(rank: int, world: int, root: Path, saved_world: int) -> Dict[str, Any]:

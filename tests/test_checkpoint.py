@@ -141,6 +141,10 @@ def test_reshard_fp32_matches_reference(runs, saved_world, world, saved_stage, s
         assert got["seen"] == want_seen
         assert_params(got["params"], ref["params"])
         assert got["global_steps"] == cc.STEPS
+        # at stage 3 a rank reads its shard of each partitioned weight, never the whole
+        assert (stage == 3) == bool(got["partitioned"])
+        for name, numel in got["partitioned"].items():
+            assert got["reads"][name] <= -(-numel // world), (name, got["reads"][name], numel)
 
 
 @pytest.mark.parametrize("stage", cc.STAGES)

@@ -872,6 +872,7 @@ class _Loaded:
     """Everything a rank will apply, read and checked before the engine is touched."""
 
     params: Dict[str, torch.Tensor] = field(default_factory=dict)    # name -> full, 1-D
+    shards: Dict[str, torch.Tensor] = field(default_factory=dict)    # stage 3: name -> own shard
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
     masters: Dict[str, torch.Tensor] = field(default_factory=dict)   # name -> slice, fp32
     states: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # name -> optimizer state
@@ -983,6 +984,10 @@ def _read_module(engine: "Engine", meta: Dict[str, Any], reader: _Reader,
         if entry is None:
             continue
         key = _module_key(entry, name, p.dtype)
+        if is_partitioned(p):  # only this rank's shard: a rank never holds the whole model
+            lo, hi = shard_range(p.ds_numel, comm.get_world_size(), comm.get_rank())
+            loaded.shards[name] = reader.read(key, _entry_for(entry, key), lo, hi).to(p.dtype)
+            continue
         full = reader.read(key, _entry_for(entry, key), 0, _numel(p))
         loaded.params[name] = full.to(p.dtype)
     for name, b in _named_buffers(engine):
@@ -1089,6 +1094,9 @@ def _apply(engine: "Engine", meta: Dict[str, Any], loaded: _Loaded,
     params = dict(_named_params(engine))
     for name, full in loaded.params.items():
         _set_param(engine, params[name], full)
+    with torch.no_grad():
+        for name, shard in loaded.shards.items():
+            params[name].ds_tensor[: shard.numel()].copy_(shard)
     buffers = dict(_named_buffers(engine))
     with torch.no_grad():
         for name, value in loaded.buffers.items():
