@@ -200,6 +200,37 @@ def case(fn):
     return fn
 
 
+MOE_LR = 0.5
+
+
+def mixtral_model(seed: int = 0) -> torch.nn.Module:
+    """A ``MixtralForCausalLM`` (4 experts, 2 per token): which experts run depends on the
+    tokens, so it differs between ranks."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=EMBD, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, router_jitter_noise=0.0, attention_dropout=0.0,
+        use_cache=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+@case
+def case_mixtral_stage3(rank: int, world: int, root: str) -> Dict[str, Any]:
+    """Mixtral at stage 3 with no setting of its own: its MoE blocks are leaf modules by
+    default (zero_optimization.leaf_module.classes). Plain SGD: an expert weight whose
+    gradient is rounding noise (about 1e-9 when few tokens reach it) would have AdamW, which
+    divides by the gradient's own scale, turn that noise into visible updates."""
+    del root
+    tokens = make_tokens(world, steps=3)
+    model = mixtral_model()
+    config = dict(engine_config(3), optimizer={"type": "SGD", "params": {"lr": MOE_LR}})
+    engine, *_ = shardtrain.initialize(model=model, config=config)
+    leaves = [n for n, m in model.named_modules() if shardtrain.zero.z3_leaf_module(m)]
+    losses = train(engine, tokens, rank, 0, 3)
+    return {"leaves": leaves, "losses": losses, "params": state(engine.module)}
+
+
 @case
 def case_stage3_gradient_checkpointing(rank: int, world: int, root: str) -> Dict[str, Any]:
     """``model.gradient_checkpointing_enable()``, Transformers' activation checkpointing:

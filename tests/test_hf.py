@@ -197,3 +197,17 @@ def test_example_trains_at_stage_3_under_shardtrain_run(tmp_path):
     assert "ZeRO stage 3, 2 process(es)" in out and "after 4 steps" in out and "sample:" in out
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert "lm_head.weight" in weights and weights["transformer.wte.weight"].shape[1] == 128
+
+
+def test_mixtral_trains_at_stage_3_with_its_moe_blocks_as_leaves(run):
+    """transformers' Mixtral (experts picked per token) at stage 3 on 2 ranks: its
+    MixtralSparseMoeBlock modules are leaves by default, and training equals one process."""
+    got = result(run, "mixtral_stage3")
+    assert got["leaves"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    model = ch.mixtral_model()
+    ref = ch.reference_train(model, ch.make_tokens(WORLD, steps=3),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=ch.MOE_LR))
+    for rank in range(WORLD):
+        torch.testing.assert_close(result(run, "mixtral_stage3", rank)["losses"],
+                                   ref["losses"][:, :, rank], atol=ATOL, rtol=1e-5)
+    close(got["params"], ref["params"])
