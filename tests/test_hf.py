@@ -8,7 +8,8 @@ safetensors files that ``model.load_state_dict`` accepts as it is (the way
 ``from_pretrained`` fills a model), Transformers' gradient checkpointing at stage 3, and a
 model built under ``shardtrain.zero.Init`` that loads pretrained weights with
 ``GatheredParameters(modifier_rank=0)``, as ``transformers`` does under DeepSpeed ZeRO-3.
-The example, ``examples/hf_gpt2.py``, runs under ``shardtrain run`` at stage 3.
+The example, ``examples/hf_gpt2.py``, runs under ``shardtrain run`` at stage 3. A
+``MixtralForCausalLM`` trains at stage 3 with its MoE blocks as leaf modules (the default).
 """
 from __future__ import annotations
 
