@@ -1,8 +1,8 @@
 """One-command GPU benchmark: a GPT-2 124M-shaped model, bf16, sequence 1024.
 
-For ZeRO stages 0-3 (and stage 0 with torch.compile) it prints tokens/s, model FLOPs
-utilisation against the device's peak, and peak memory, on the GPUs of one machine
-(one process per GPU, NCCL). Finishes in a few minutes on one H100/H200.
+For ZeRO stages 0-3 (stage 3 also with its blocks as leaf modules, and stage 0 with
+torch.compile) it prints tokens/s, model FLOPs utilisation against the device's peak, and
+peak memory, on the GPUs of one machine (one process per GPU, NCCL). Finishes in a few minutes on one H100/H200.
 
     python benchmarks/bench_gpu.py                      # every GPU of this machine
     python benchmarks/bench_gpu.py --peak-tflops 989    # MFU against a given peak
@@ -35,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages (default 0,1,2,3)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile run")
+    p.add_argument("--leaf", default="Block",
+                   help="also run stage 3 with these module classes as leaf modules, gathered "
+                        "whole (default Block: one all-gather per transformer block); '' skips it")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak bf16 TFLOP/s for MFU (default: from the device name)")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
@@ -63,7 +66,7 @@ def peak_tflops(args) -> float:
     return next((v for k, v in PEAKS.items() if k in name), 0.0)
 
 
-def _run(rank, world, port, args, stage, compiled, queue):
+def _run(rank, world, port, args, stage, compiled, leaf, queue):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       SHARDTRAIN_ACCELERATOR=args.device)
@@ -78,7 +81,8 @@ def _run(rank, world, port, args, stage, compiled, queue):
         "train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True}})
+        "zero_optimization": {"stage": stage, "overlap_comm": True,
+                              **({"leaf_module": {"classes": leaf}} if leaf else {})}})
     if compiled:
         engine.compile()
     g = torch.Generator().manual_seed(rank)
@@ -99,16 +103,16 @@ def _run(rank, world, port, args, stage, compiled, queue):
     tokens = args.steps * args.micro * cfg.block_size * world
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     if rank == 0:
-        queue.put({"stage": stage, "compiled": compiled, "tokens_s": tokens / elapsed,
+        queue.put({"stage": stage, "compiled": compiled, "leaf": leaf, "tokens_s": tokens / elapsed,
                    "step_ms": elapsed / args.steps * 1e3, "peak_gib": peak / 2 ** 30,
                    "loss": loss.item(), "params": n_params,
                    "flops_token": flops_per_token(cfg, n_params), "world": world})
     shardtrain.destroy()
 
 
-def measure(args, stage, compiled):
+def measure(args, stage, compiled, leaf):
     world = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1)
-    return run_ranks(_run, world, args, stage, compiled, timeout=900)
+    return run_ranks(_run, world, args, stage, compiled, leaf, timeout=900)
 
 
 def main(argv=None):
@@ -120,14 +124,18 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"shardtrain GPU benchmark: {device}, torch {torch.__version__}, bf16, "
           f"micro-batch {args.micro}, peak {peak or 'unknown'} TFLOP/s")
-    runs = [(int(s), False) for s in args.stages.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
+    leaf = [c for c in args.leaf.split(",") if c]
+    runs = [(s, False, []) for s in stages]
+    if 3 in stages and leaf:
+        runs.append((3, False, leaf))
     if not args.no_compile:
-        runs.append((0, True))
+        runs.append((0, True, []))
     rows, failed = [], []
-    for stage, compiled in runs:
-        name = f"stage {stage}{' +compile' if compiled else ''}"
+    for stage, compiled, leaf in runs:
+        name = f"stage {stage}{' +compile' if compiled else ''}{' +leaf' if leaf else ''}"
         try:
-            r = measure(args, stage, compiled)
+            r = measure(args, stage, compiled, leaf)
         except SystemExit as error:  # one failed run does not cost the others
             print(f"{name:17} FAILED: {error}")
             failed.append(name)

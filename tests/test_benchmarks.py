@@ -1,5 +1,6 @@
 """The benchmark scripts stay runnable: a smoke run of the one-command GPU benchmark on the CPU
-(tiny model, every ZeRO stage, 2 ranks), and the rank launcher failing fast when a rank dies.
+(tiny model, every ZeRO stage and stage 3 with leaf blocks, 2 ranks), and the rank launcher
+failing fast when a rank dies.
 
 Figures are not checked here (benchmarks/README.md has them); only that each run trains and
 reports, so the script is ready for the next machine with a GPU.
@@ -36,14 +37,15 @@ def test_gpu_benchmark_smoke_run_on_cpu(tmp_path):
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [(r["stage"], r["compiled"]) for r in rows] == [(0, False), (1, False), (2, False), (3, False)]
+    assert [(r["stage"], r["compiled"], r["leaf"]) for r in rows] == [
+        (0, False, []), (1, False, []), (2, False, []), (3, False, []), (3, False, ["Block"])]
     for r in rows:
         assert r["world"] == 2 and r["tokens_s"] > 0 and math.isfinite(r["loss"])
         assert r["flops_token"] == 6 * r["params"] + 12 * 2 * 64 * 64  # 6N + 12 L T d, tiny model
     losses = [r["loss"] for r in rows]
     assert max(losses) - min(losses) < 0.05, losses  # same model and data at every stage (bf16)
-    for stage in range(4):
-        assert f"stage {stage}" in proc.stdout
+    for name in ("stage 0", "stage 1", "stage 2", "stage 3", "stage 3 +leaf"):
+        assert name in proc.stdout
 
 
 def test_gpu_benchmark_says_when_there_is_no_gpu():
