@@ -1,0 +1,263 @@
+"""``shardtrain estimate``: the model-state memory per rank of each ZeRO stage, for a model
+built on the meta device."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import torch
+
+from .config import IMPLEMENTED_ZERO_STAGES, PLANNED, ZeroConfig
+from .memory import zero_formula_bytes
+from ._cli_common import (_default_nproc, _Failure, _human, _non_negative_int, _one_line, _plural,
+                          _positive_int, _UsageError)
+
+_PERSISTENCE_DEFAULT = ZeroConfig.model_fields["param_persistence_threshold"].default
+
+
+_ESTIMATE_EXAMPLES = """\
+examples:
+  shardtrain estimate --model mypkg.models:build --nproc 8 --dtype bf16
+  shardtrain estimate --model examples/models.py:gpt_small --nproc 8 --nnodes 4
+  shardtrain estimate --model examples/models.py:gpt --model-kwargs '{"n_layer": 24, "n_embd": 2048}'
+  shardtrain estimate --model mypkg.models:build --nproc 8 --json
+
+FACTORY is called with no arguments (or --model-kwargs) under torch.device("meta"): it must
+only construct the module, not load weights. Bytes per parameter: fp32 params 4, grads 4,
+Adam 8 (SGD momentum 4); bf16/fp16 params 2, grads 2, and an fp32 master copy (4) on top of
+the optimizer states. Activations, buffers and communication buckets are not included.
+"""
+
+
+def add_parser(commands) -> None:
+    est = commands.add_parser(
+        "estimate", help="model-state memory per rank for ZeRO stages 0-3",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        description="Builds the model on the meta device (no memory is used) and prints the "
+                    "bytes of parameters, gradients and optimizer states each rank holds at "
+                    "ZeRO stages 0-3, with and without optimizer offload, and the formula.",
+        epilog=_ESTIMATE_EXAMPLES)
+    est.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                     help="a callable returning an nn.Module: a module importable from here "
+                          "(mypkg.models:build) or a file (path/to/models.py:build)")
+    est.add_argument("--model-kwargs", type=_json_object, default={}, metavar="JSON",
+                     help="keyword arguments for FACTORY, as a JSON object")
+    est.add_argument("--nproc", type=_positive_int, metavar="N",
+                     help="processes per node (default: the number of GPUs, or 1)")
+    est.add_argument("--nnodes", type=_positive_int, default=1, metavar="N",
+                     help="nodes (default: 1); ranks = nproc x nnodes")
+    est.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                     help="parameter and gradient format (default: bf16, with fp32 masters)")
+    est.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                     help="adam (two moments) or sgd (with momentum) (default: adam)")
+    est.add_argument("--persistence-threshold", type=_non_negative_int,
+                     default=_PERSISTENCE_DEFAULT, metavar="N",
+                     help="stage 3 keeps parameters of at most N elements whole on every rank, "
+                          "as zero_optimization.stage3_param_persistence_threshold "
+                          f"(default: {_PERSISTENCE_DEFAULT:,}; 0: the plain formula)")
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.set_defaults(handler=_cmd_estimate, subparser=est)
+
+
+def _json_object(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"n_layer\": 24}}', "
+                                         f"got {text!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _BytesPerParam:
+    """Bytes each parameter costs: ``p`` as parameter, ``g`` as gradient, ``k`` in the
+    optimizer (master copy included), and what ``k`` is made of."""
+
+    p: int
+    g: int
+    k: int
+    k_parts: str
+
+
+def _bytes_per_param(dtype: str, optimizer: str) -> _BytesPerParam:
+    states, what = {"adam": (8, "Adam moments 8"), "sgd": (4, "SGD momentum 4")}[optimizer]
+    if dtype == "fp32":
+        return _BytesPerParam(4, 4, states, what)
+    return _BytesPerParam(2, 2, 4 + states, f"fp32 master 4 + {what}")
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    model = _build_on_meta(args.model, args.model_kwargs)
+    params = list(model.parameters())  # a shared (tied) parameter is listed once
+    counts = _ParamCounts(
+        total=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        persistent=sum(p.numel() for p in params if p.numel() <= args.persistence_threshold))
+    nproc = args.nproc or _default_nproc()
+    report = _estimate(counts, nproc, args.nnodes, _bytes_per_param(args.dtype, args.optimizer))
+    report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
+                  persistence_threshold=args.persistence_threshold)
+    print(json.dumps(report, indent=2) if args.json else _estimate_table(report))
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamCounts:
+    """Parameter elements: all of them, the trainable ones, and those small enough that
+    stage 3 keeps them whole (``stage3_param_persistence_threshold``)."""
+
+    total: int
+    trainable: int
+    persistent: int
+
+
+def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: _BytesPerParam) -> Dict[str, Any]:
+    """Per-rank model-state bytes of every stage, from :func:`zero_formula_bytes`.
+
+    The formula is linear in each kind of bytes, so calling it with one kind at a time splits
+    the total into parameters, gradients and optimizer states. Frozen parameters cost their
+    parameter bytes only. At stage 3 the persistent (small) parameters are whole on every
+    rank instead of sharded: that adds ``p * persistent * (N - 1) / N``.
+    """
+    world = nproc * nnodes
+    frozen = n.total - n.trainable
+    persistent_extra = round(b.p * n.persistent * (world - 1) / world)
+
+    def share(stage: int, p: int = 0, g: int = 0, k: int = 0) -> int:
+        return round(zero_formula_bytes(n.trainable, world, stage, p, g, k)
+                     + zero_formula_bytes(frozen, world, stage, p, 0, 0))
+
+    offload_planned = "zero_optimization.offload_optimizer.device" in PLANNED
+    stages = []
+    for stage in range(4):
+        extra = persistent_extra if stage == 3 else 0
+        row = {"stage": stage, "implemented": stage in IMPLEMENTED_ZERO_STAGES,
+               "params": share(stage, p=b.p) + extra, "grads": share(stage, g=b.g),
+               "optimizer": share(stage, k=b.k), "total": share(stage, b.p, b.g, b.k) + extra,
+               "offload": None}
+        if stage > 0:  # DeepSpeed offloads optimizer states at stages 1-3 only
+            row["offload"] = {"device": row["params"] + row["grads"], "host": row["optimizer"],
+                              "host_per_node": row["optimizer"] * nproc,
+                              "implemented": not offload_planned and row["implemented"]}
+        stages.append(row)
+    return {"parameters": n.total, "trainable_parameters": n.trainable,
+            "persistent_parameters": n.persistent, "nproc": nproc, "nnodes": nnodes,
+            "world_size": world,
+            "bytes_per_parameter": {"params": b.p, "grads": b.g, "optimizer": b.k,
+                                    "optimizer_parts": b.k_parts},
+            "stages": stages, "formula": _FORMULA}
+
+
+_FORMULA = {
+    "stage 0": "(p + g + K) * P",
+    "stage 1": "(p + g) * P + K * P / N",
+    "stage 2": "p * P + (g + K) * P / N",
+    "stage 3": "(p + g + K) * P / N + p * S * (N - 1) / N",
+    "offload": "the device keeps the p and g terms; the host holds the K term (optimizer "
+               "states and fp32 masters) of each rank",
+}
+
+
+def _build_on_meta(spec: str, kwargs: Dict[str, Any]) -> torch.nn.Module:
+    factory = _load_factory(spec)
+    try:
+        with torch.device("meta"):
+            model = factory(**kwargs)
+    except Exception as err:  # the user's code: report it in one line, as the other errors
+        call = f"{spec}(**{kwargs})" if kwargs else f"{spec}()"
+        raise _Failure(f"{call} failed on the meta device: {_one_line(err)} (the factory must "
+                       f"only build the module: no weight loading, no .item() on "
+                       f"parameters)") from None
+    if not isinstance(model, torch.nn.Module):
+        raise _UsageError(f"--model {spec} returned {type(model).__name__}, not a "
+                          f"torch.nn.Module")
+    return model
+
+
+def _load_factory(spec: str) -> Callable[..., Any]:
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise _UsageError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:build "
+                          f"or path/to/models.py:build")
+    module = _import_file(where) if where.endswith(".py") else _import_module(where)
+    try:
+        factory = functools.reduce(getattr, name.split("."), module)
+    except AttributeError:
+        raise _UsageError(f"--model {spec}: {where} has no attribute {name!r}") from None
+    if not callable(factory):
+        raise _UsageError(f"--model {spec}: {name} is a {type(factory).__name__}, not a callable")
+    return factory
+
+
+def _import_file(path: str) -> Any:
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise _UsageError(f"--model: no such file {path!r}")
+    sys.path.insert(0, str(file.parent))  # its sibling modules import as in `python file.py`
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # a broken model file is the user's code, not a wrong argument
+        raise _Failure(f"importing {path} failed: {_one_line(err)}") from None
+    return module
+
+
+def _import_module(name: str) -> Any:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: modules of this folder import
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+            raise _Failure(f"importing {name} failed: {_one_line(err)}") from None
+        raise _UsageError(f"--model: cannot import {name!r} ({err}); run from the folder that "
+                          f"holds it, install its package, or give a path ending in .py") from None
+    except Exception as err:  # the module exists but raised: its own bug, not the argument's
+        raise _Failure(f"importing {name} failed: {_one_line(err)}") from None
+
+
+def _estimate_table(r: Dict[str, Any]) -> str:
+    b = r["bytes_per_parameter"]
+    lines = [
+        f"Model states per rank: {r['model']} (built on the meta device)",
+        f"  {r['parameters']:,} parameters ({r['trainable_parameters']:,} trainable; tied "
+        f"weights counted once)",
+        f"  {r['world_size']} ranks = {_plural(r['nnodes'], 'node')} x "
+        f"{_plural(r['nproc'], 'process', 'processes')}; {r['dtype']} with {r['optimizer']}",
+        f"  bytes per parameter: p = {b['params']} (parameter), g = {b['grads']} (gradient), "
+        f"K = {b['optimizer']} ({b['optimizer_parts']})",
+        "",
+        f"{'stage':<13}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}"
+        f"   {'offload: device':>15}{'host':>11}",
+    ]
+    for row in r["stages"]:
+        label = f"{row['stage']}" + ("" if row["implemented"] else " (planned)")
+        off = row["offload"]
+        offload = (f"{_human(off['device']):>15}{_human(off['host']):>11}" if off
+                   else f"{'-':>15}{'-':>11}")
+        lines.append(f"{label:<13}{_human(row['params']):>11}{_human(row['grads']):>11}"
+                     f"{_human(row['optimizer']):>11}{_human(row['total']):>11}   {offload}")
+    f = r["formula"]
+    planned = "" if r["stages"][1]["offload"]["implemented"] else " (planned in shardtrain)"
+    lines += [
+        "",
+        f"Formula, bytes per rank (P parameters, N = {r['world_size']} ranks):",
+        *(f"  {stage}: {f[stage]}" for stage in ("stage 0", "stage 1", "stage 2", "stage 3")),
+        f"    S = {r['persistent_parameters']:,}: elements of parameters of at most "
+        f"{r['persistence_threshold']:,} elements, which stage 3 keeps whole",
+        f"  offload{planned}: {f['offload']} ({r['nproc']} per node)",
+        "Not included: activations, buffers, communication buckets, allocator fragmentation.",
+    ]
+    return "\n".join(lines)

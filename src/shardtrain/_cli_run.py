@@ -1,0 +1,268 @@
+"""``shardtrain run``: starts a training script on one or many machines through torchrun
+(``torch.distributed.run``), which does the rendezvous and the elastic restarts; shardtrain
+only builds its command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ._cli_common import _default_nproc, _non_negative_int, _positive_int, _UsageError
+
+_DEFAULT_PORT = 29500  # DeepSpeed's and torchrun's default rendezvous port
+_RUN_ID = "shardtrain"
+
+
+def _nnodes(text: str) -> str:
+    """``N`` or ``MIN:MAX`` (an elastic range), as torchrun takes it."""
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return text if high else str(lo)
+
+
+def _endpoint(text: str) -> str:
+    """``HOST:PORT``; an IPv6 host goes in brackets (``[::1]:29500``)."""
+    match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):(\d+)", text)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT with a port in 1-65535 (e.g. node0:{_DEFAULT_PORT}), got {text!r}")
+    return text
+
+
+def _max_nodes(nnodes: str) -> int:
+    return int(nnodes.rpartition(":")[2])
+
+
+_RUN_EXAMPLES = f"""\
+examples:
+  # this machine, one process per GPU (1 process on a CPU-only machine)
+  shardtrain run train.py --config train.json
+  # two processes on this machine
+  shardtrain run --nproc 2 train.py --config train.json
+  # two machines with 8 GPUs each: the same command on both; node0 is an address of the
+  # first machine that every machine can reach
+  shardtrain run --nnodes 2 --node-rank 0 --nproc 8 --rdzv-endpoint node0:{_DEFAULT_PORT} train.py   # on node0
+  shardtrain run --nnodes 2 --node-rank 1 --nproc 8 --rdzv-endpoint node0:{_DEFAULT_PORT} train.py   # on node1
+  # after a failure restart every worker up to 3 times (the script resumes from its checkpoint)
+  shardtrain run --nproc 8 --max-restarts 3 train.py
+  # a script written for DeepSpeed's launcher, which parses --local_rank
+  shardtrain run --nproc 2 --local-rank-arg train.py --deepspeed_config ds.json
+  # a DeepSpeed hostfile ("worker-1 slots=8" lines): print every node's torchrun command,
+  # or run on each host and let it find its own line
+  shardtrain run --hostfile hostfile --dry-run train.py
+  shardtrain run --hostfile hostfile train.py
+
+One node without --rdzv-endpoint uses torchrun --standalone (a free local port). Otherwise
+the nodes meet at --rdzv-endpoint through torchrun's c10d rendezvous; with it torchrun orders
+the nodes itself and --node-rank only picks this host's hostfile line. --rdzv-backend static
+pins node ranks to --node-rank instead, without elastic restarts.
+"""
+
+
+def add_parser(commands) -> None:
+    run = commands.add_parser(
+        "run", help="start a training script through torchrun",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        description="Starts SCRIPT on --nproc processes per node, on --nnodes nodes, through "
+                    "torchrun (python -m torch.distributed.run). Each process gets RANK, "
+                    "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "
+                    "shardtrain.initialize() reads them.",
+        epilog=_RUN_EXAMPLES)
+    run.add_argument("--nproc", type=_positive_int, metavar="N",
+                     help="processes on this node (default: the number of GPUs, or 1 on a "
+                          "CPU-only machine)")
+    run.add_argument("--nnodes", type=_nnodes, metavar="N|MIN:MAX",
+                     help="nodes in the job, or an elastic range (default: 1)")
+    run.add_argument("--node-rank", type=_non_negative_int, metavar="R",
+                     help="this node's rank, 0..nnodes-1 (required by --rdzv-backend static)")
+    run.add_argument("--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT",
+                     help="where the nodes meet: an address of the first node and a free port "
+                          "(required with more than one node)")
+    run.add_argument("--rdzv-id", default=_RUN_ID, metavar="ID",
+                     help=f"job id, the same on every node, e.g. $SLURM_JOB_ID "
+                          f"(default: {_RUN_ID})")
+    run.add_argument("--rdzv-backend", choices=("c10d", "static"), default="c10d",
+                     help="torchrun rendezvous: c10d (elastic, the default) or static "
+                          "(fixed node ranks, no restarts)")
+    run.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="K",
+                     help="restart all workers up to K times after a failure (default: 0)")
+    run.add_argument("--hostfile", type=Path, metavar="FILE",
+                     help='DeepSpeed-style hostfile, one "HOST slots=N" line per node: sets '
+                          "--nnodes, --nproc per node and the endpoint (the first host)")
+    run.add_argument("--local-rank-arg", action="store_true",
+                     help="pass --local_rank=<LOCAL_RANK> to the script, as DeepSpeed's "
+                          "launcher does")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="SCRIPT is a module name, run as python -m SCRIPT")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the torchrun command(s) instead of running them")
+    run.add_argument("script", metavar="SCRIPT", nargs="?",
+                     help="the training script (or module, with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="arguments for the script, passed unchanged")
+    run.set_defaults(handler=_cmd_run, subparser=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    """One hostfile line."""
+
+    name: str
+    slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """One torchrun command: what to print or run on one node."""
+
+    label: str
+    argv: List[str]
+    env: Dict[str, str]
+
+    def shell(self) -> str:
+        prefix = "".join(f"{key}={shlex.quote(value)} " for key, value in self.env.items())
+        return prefix + shlex.join(self.argv)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.script is None:
+        raise _UsageError("give the training script: shardtrain run [options] SCRIPT [ARGS...]")
+    if not args.module and not Path(args.script).is_file():
+        raise _UsageError(f"script not found: {args.script!r} (give a path to a Python file, "
+                          f"or -m for a module name)")
+    launches = _hostfile_launches(args) if args.hostfile else [_single_launch(args)]
+    if args.dry_run:
+        for launch in launches:
+            print(f"# {launch.label}\n{launch.shell()}" if launch.label else launch.shell())
+        return 0
+    (launch,) = launches
+    sys.stdout.flush()
+    # exec, not a child: signals (Ctrl-C, SLURM's SIGTERM) reach torchrun, which stops workers.
+    os.execve(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+    return 0  # not reached
+
+
+def _single_launch(args: argparse.Namespace) -> _Launch:
+    nnodes = args.nnodes or "1"
+    nproc = args.nproc or _default_nproc()
+    if _max_nodes(nnodes) > 1 and args.rdzv_endpoint is None:
+        raise _UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT: an address of "
+                          f"the first node that all nodes reach, e.g. node0:{_DEFAULT_PORT}")
+    return _Launch("", _torchrun_argv(args, nproc, nnodes, args.node_rank, args.rdzv_endpoint),
+                   _launch_env(args, nnodes))
+
+
+def _hostfile_launches(args: argparse.Namespace) -> List[_Launch]:
+    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
+        if value is not None:
+            raise _UsageError(f"{flag} and --hostfile both say how big the job is; the hostfile "
+                              f"gives nodes and slots, so drop {flag}")
+    hosts = _read_hostfile(args.hostfile)
+    nnodes = str(len(hosts))
+    endpoint = args.rdzv_endpoint or (f"{hosts[0].name}:{_DEFAULT_PORT}" if len(hosts) > 1
+                                      else None)
+    if args.node_rank is not None:
+        ranks = [args.node_rank]
+    elif args.dry_run:
+        ranks = list(range(len(hosts)))
+    else:
+        ranks = [_this_host_rank(hosts, args.hostfile)]
+    launches = []
+    for rank in ranks:
+        if rank >= len(hosts):
+            raise _UsageError(f"--node-rank {rank} is past the {len(hosts)} hosts of "
+                              f"{args.hostfile}")
+        host = hosts[rank]
+        argv = _torchrun_argv(args, host.slots, nnodes, rank, endpoint)
+        launches.append(_Launch(f"node {rank}: run on {host.name} ({host.slots} processes)",
+                                argv, _launch_env(args, nnodes)))
+    return launches
+
+
+def _read_hostfile(path: Path) -> List[_Host]:
+    """Reads DeepSpeed's hostfile format: ``HOST slots=N`` per line, ``#`` comments."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise _UsageError(f"cannot read --hostfile {str(path)!r}: {err.strerror}") from None
+    hosts: List[_Host] = []
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        if not match or int(match.group(2)) < 1:
+            raise _UsageError(f"{path}:{number}: expected 'HOST slots=N' with N >= 1, "
+                              f"got {line!r}")
+        if any(h.name == match.group(1) for h in hosts):
+            raise _UsageError(f"{path}:{number}: host {match.group(1)!r} is listed twice")
+        hosts.append(_Host(match.group(1), int(match.group(2))))
+    if not hosts:
+        raise _UsageError(f"--hostfile {str(path)!r} lists no hosts ('HOST slots=N' lines)")
+    return hosts
+
+
+def _this_host_rank(hosts: List[_Host], path: Path) -> int:
+    names = {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+    mine = [rank for rank, host in enumerate(hosts) if host.name in names]
+    if len(mine) != 1:
+        raise _UsageError(f"this host ({socket.gethostname()}) is not in {path}; pass "
+                          f"--node-rank R, or --dry-run to print every node's command")
+    return mine[0]
+
+
+def _torchrun_argv(args: argparse.Namespace, nproc: int, nnodes: str, node_rank: Optional[int],
+                   endpoint: Optional[str]) -> List[str]:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
+            "--nproc-per-node", str(nproc)]
+    if node_rank is not None and node_rank >= _max_nodes(nnodes):
+        raise _UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+    if endpoint is None:
+        argv.append("--standalone")  # one node: a private rendezvous on a free local port
+    elif args.rdzv_backend == "static":
+        if node_rank is None:
+            raise _UsageError("--rdzv-backend static needs --node-rank R on every node")
+        if args.max_restarts:
+            # The static rendezvous keeps one store for every attempt: a restarted worker can
+            # read its predecessors' addresses and never connect (a race; torch 2.13).
+            raise _UsageError("--max-restarts needs the c10d rendezvous; drop "
+                              "--rdzv-backend static")
+        argv += ["--rdzv-backend", "static", "--rdzv-endpoint", endpoint,
+                 "--rdzv-id", args.rdzv_id, "--node-rank", str(node_rank)]
+    else:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", args.rdzv_id]
+    argv += ["--max-restarts", str(args.max_restarts)]
+    return argv + _worker_argv(args)
+
+
+def _worker_argv(args: argparse.Namespace) -> List[str]:
+    # "--" ends torchrun's options: without it torchrun's parser also reads the script's
+    # arguments and fails on any that abbreviate one of its own (--nproc, --node, ...).
+    if args.local_rank_arg:
+        module = ["--module"] if args.module else []
+        return ["-m", "--", "shardtrain._launch_shim", *module, args.script, *args.script_args]
+    if args.module:
+        return ["-m", "--", args.script, *args.script_args]
+    return ["--", args.script, *args.script_args]
+
+
+def _launch_env(args: argparse.Namespace, nnodes: str) -> Dict[str, str]:
+    restarts_possible = args.max_restarts > 0 or ":" in nnodes
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if not restarts_possible or name in os.environ or args.rdzv_backend == "static":
+        return {}
+    # torchrun's c10d rendezvous lends its store to the workers, and a restarted worker group
+    # finds the keys of the one before (gloo and NCCL addresses) and hangs connecting to dead
+    # peers (pytorch/pytorch#135712). Without sharing, rank 0 hosts a new store each attempt.
+    return {name: "1"}
