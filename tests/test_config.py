@@ -294,13 +294,10 @@ PLANNED_CASES = {
     "zero_optimization.zero_hpz_partition_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1},
     "zero_optimization.load_from_fp32_weights": False,
-    "zero_optimization.elastic_checkpoint": True,
-    "zero_optimization.sub_group_size": 1000,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": True,
     "zero_optimization.stage3_allgather_sequential": True,
     "zero_optimization.ignore_unused_parameters": False,
     "zero_optimization.legacy_stage1": True,
-    "zero_optimization.round_robin_gradients": True,
     "zero_optimization.parameter_alignment": True,
     "zero_optimization.memory_efficient_linear": False,
     "zero_optimization.pipeline_loading_checkpoint": True,
@@ -715,3 +712,32 @@ def test_leaf_module_block_defaults_and_forms():
 ])
 def test_leaf_module_settings_refused(block, message):
     assert message in error_of({"zero_optimization": block})
+
+
+def test_hugging_face_example_configs_load():
+    """The ZeRO-2 and ZeRO-3 configs of the Transformers DeepSpeed guide, with their "auto"
+    values filled in as the Trainer does."""
+    zero2 = {"fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000,
+                      "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+             "bf16": {"enabled": True},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                       "weight_decay": 0.0}},
+             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-4,
+                                                          "warmup_num_steps": 10}},
+             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                   "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                                   "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                                   "contiguous_gradients": True, "round_robin_gradients": True},
+             "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 2000,
+             "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "wall_clock_breakdown": False}
+    assert load(zero2).zero_optimization.round_robin_gradients is True
+    zero3 = dict(zero2, zero_optimization={
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": 1048576,
+        "stage3_prefetch_bucket_size": 943718, "stage3_param_persistence_threshold": 10240,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True})
+    assert load(zero3).zero_optimization.stage == 3
+    assert load({"zero_optimization": {"sub_group_size": 1e8, "elastic_checkpoint": True}}
+                ).zero_optimization.sub_group_size == 100_000_000

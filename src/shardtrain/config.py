@@ -154,13 +154,10 @@ PLANNED: Dict[str, str] = {
 #: at a non-default value), listed apart so that each stage's change can take its own out.
 STAGE_TUNING_KEYS: Dict[str, str] = {
     "zero_optimization.load_from_fp32_weights": "ZeRO checkpoints",
-    "zero_optimization.elastic_checkpoint": "ZeRO checkpoints",
-    "zero_optimization.sub_group_size": "ZeRO-3 sub-groups",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "ZeRO-3 parameter fetching",
     "zero_optimization.stage3_allgather_sequential": "ZeRO-3 parameter fetching",
     "zero_optimization.ignore_unused_parameters": "refusing unused parameters (they are always allowed)",
     "zero_optimization.legacy_stage1": "the legacy stage-1 implementation",
-    "zero_optimization.round_robin_gradients": "round-robin gradients with offload",
     "zero_optimization.parameter_alignment": "aligned ZeRO partitions",
     "zero_optimization.memory_efficient_linear": "ZeRO-3 memory-efficient linear",
     "zero_optimization.pipeline_loading_checkpoint": "ZeRO-3 pipelined checkpoint loading",
@@ -188,6 +185,14 @@ NO_EFFECT: Dict[str, str] = {
     "activation_checkpointing.number_checkpoints": "sizes the contiguous buffer (see above)",
     "activation_checkpointing.profile":
         "regions show as shardtrain.checkpoint ranges in torch.profiler traces",
+    "zero_optimization.elastic_checkpoint":
+        "shardtrain checkpoints always load on another world size and ZeRO stage",
+    "zero_optimization.sub_group_size":
+        "sizes the flat fp32 buffers DeepSpeed steps in turn; shardtrain keeps one optimizer tensor "
+        "per parameter slice, so no step works on a buffer that size",
+    "zero_optimization.round_robin_gradients":
+        "spreads the copies of gradients to host memory over ranks; with offload each rank of "
+        "shardtrain copies only its own gradient shard already",
     "zero_optimization.contiguous_gradients":
         "gradients are always reduced from contiguous flat buckets",
     "zero_optimization.use_multi_rank_bucket_allreduce":
