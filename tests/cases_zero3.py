@@ -249,21 +249,7 @@ def case_gather_count(rank, world):
     torch.manual_seed(0)
     engine, *_ = shardtrain.initialize(model=gpt.GPT(cfg), config=zero3_config(
         2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0))
-    counts = []
-    for s in range(data.shape[0]):
-        seen = []
-        observer = lambda op, t: seen.append(op)  # noqa: E731
-        comm.add_observer(observer)
-        try:
-            batch = data[s, rank]
-            loss = engine(batch[:, :-1], batch[:, 1:])
-            forward = seen.count("all_gather")
-            engine.backward(loss)
-            engine.step()
-        finally:
-            comm.remove_observer(observer)
-        counts.append((forward, seen.count("all_gather")))
-    return {"counts": counts}
+    return {"counts": _gathers_per_step(engine, data, rank)["counts"]}
 
 
 def _gathers_per_step(engine, data, rank) -> Dict[str, Any]:
