@@ -12,7 +12,9 @@ While released, ``param.data`` is an empty tensor of shape ``(0,)`` (so a stray 
 fails loudly instead of reading stale memory). The gathered value lives in ``ds_full``,
 whose storage is resized to zero bytes on release and back on gather: tensors that autograd
 saved during forward (views of the weight, for instance) share that storage, so they free
-their memory too and see the right values again once backward re-gathers.
+their memory too and see the right values again once backward re-gathers. That storage has
+room for ``world`` whole chunks (``ds_padded``, the first ``ds_numel`` elements of which are
+``ds_full``), so an all-gather can write every rank's chunk straight into it.
 """
 from __future__ import annotations
 
@@ -61,12 +63,28 @@ def partition(p: torch.nn.Parameter, world: int, rank: int, src: Optional[int] =
     p.ds_shape, p.ds_numel, p.ds_tensor = full.shape, numel, shard
     if getattr(p, "ds_id", None) is None:
         p.ds_id = next(_ids)
-    owns_storage = (full.is_contiguous() and full.storage_offset() == 0
-                    and full.untyped_storage().nbytes() == numel * full.element_size())
-    # ds_full's storage is resized on release: it must not be shared with anything else.
-    p.ds_full = full if owns_storage else full.clone(memory_format=torch.contiguous_format)
+    _give_full_storage(p, world, full.dtype, full.device)
     p.ds_persist = False
     release(p)
+
+
+def _give_full_storage(p: torch.nn.Parameter, world: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """A storage of its own for the gathered value, ``world`` chunks long (contents undefined).
+    It is resized on release, so nothing else may share it."""
+    p.ds_padded = torch.empty(world * chunk_size(p.ds_numel, world), dtype=dtype, device=device)
+    p.ds_full = p.ds_padded[: p.ds_numel].view(p.ds_shape)
+
+
+def adopt(p: torch.nn.Parameter, world: int) -> None:
+    """A partitioned parameter takes the dtype and device the (empty) parameter was given
+    after it was partitioned (``zero.Init`` builds, then the engine casts and moves)."""
+    dtype, device = p.dtype, p.device
+    if p.ds_tensor.dtype != dtype or p.ds_tensor.device != device:
+        p.ds_tensor = p.ds_tensor.to(device=device, dtype=dtype)
+    if p.ds_full.dtype != dtype or p.ds_full.device != device:
+        _give_full_storage(p, world, dtype, device)
+        release(p)
 
 
 def release(p: torch.nn.Parameter) -> None:
@@ -76,12 +94,14 @@ def release(p: torch.nn.Parameter) -> None:
 
 
 def materialize(p: torch.nn.Parameter) -> torch.Tensor:
-    """Gives ``ds_full`` its memory back (contents undefined) and returns it flattened."""
-    full = p.ds_full
-    nbytes = full.numel() * full.element_size()
-    if full.untyped_storage().nbytes() != nbytes:
-        full.untyped_storage().resize_(nbytes)
-    return full.view(-1)
+    """Gives ``ds_full`` its memory back (contents undefined) and returns the whole storage
+    as ``[world, chunk]``: row r is rank r's chunk, the flattened value is its first
+    ``ds_numel`` elements."""
+    padded = p.ds_padded
+    nbytes = padded.numel() * padded.element_size()
+    if padded.untyped_storage().nbytes() != nbytes:
+        padded.untyped_storage().resize_(nbytes)
+    return padded.view(-1, p.ds_tensor.numel())
 
 
 def mark_available(p: torch.nn.Parameter) -> None:
@@ -92,11 +112,7 @@ def mark_available(p: torch.nn.Parameter) -> None:
 @torch.no_grad()
 def gather_one(p: torch.nn.Parameter) -> None:
     """Synchronously all-gathers one partitioned parameter (collective)."""
-    world = comm.get_world_size()
-    c = p.ds_tensor.numel()
-    out = torch.empty(world * c, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
-    comm.all_gather(out, p.ds_tensor)
-    materialize(p).copy_(out[: p.ds_numel])
+    comm.all_gather(materialize(p).view(-1), p.ds_tensor)  # every chunk lands in place
     mark_available(p)
 
 

@@ -33,8 +33,8 @@ import torch
 from .. import accelerator, comm
 from . import leaf
 from ._optview import OptimizerView
-from ._params import (ZeroParamStatus, is_partitioned, mark_available, materialize, partition,
-                      release, write_shard_from_full)
+from ._params import (ZeroParamStatus, adopt, is_partitioned, mark_available, materialize,
+                      partition, release, write_shard_from_full)
 from ._shards import ShardLayout, full_numel
 from .stage12 import ZeroStage2
 
@@ -88,8 +88,9 @@ class _Group:
         if self.status != _INFLIGHT:
             return
         self._work.wait()
-        with torch.no_grad():
-            self.layout.unpack(self._gathered, [materialize(p) for p in self.params])
+        with torch.no_grad():  # one copy for the group: column block i is parameter i's chunks
+            torch.split_with_sizes_copy(self._gathered, self.layout.chunks, dim=1,
+                                        out=[materialize(p) for p in self.params])
         for p in self.params:
             mark_available(p)
         self._work = self._gathered = self._sent = None
@@ -159,7 +160,7 @@ class ZeroStage3(ZeroStage2):
                 p.ds_persist, p.ds_shape, p.ds_numel = True, p.shape, p.numel()
                 continue
             if is_partitioned(p):
-                _adopt_device_and_dtype(p)  # built under zero.Init, before the engine moved it
+                adopt(p, world)  # built under zero.Init, before the engine moved it
             else:
                 partition(p, world, rank, src=None)  # the engine already broadcast rank 0's
         # Units: each leaf module with everything inside it, and each other module with the
@@ -426,18 +427,6 @@ def _unit_params(m: torch.nn.Module, whole: bool) -> List[torch.nn.Parameter]:
     else those it holds directly; each once."""
     params = m.parameters() if whole else (p for p in m._parameters.values() if p is not None)
     return list({id(p): p for p in params if is_partitioned(p)}.values())
-
-
-def _adopt_device_and_dtype(p: torch.nn.Parameter) -> None:
-    """A parameter partitioned under ``zero.Init`` follows the device and dtype the engine
-    gave the (empty) parameter afterwards."""
-    target_dtype, target_device = p.dtype, p.device
-    if p.ds_tensor.dtype != target_dtype or p.ds_tensor.device != target_device:
-        p.ds_tensor = p.ds_tensor.to(device=target_device, dtype=target_dtype)
-    full = p.ds_full
-    if full.dtype != target_dtype or full.device != target_device:
-        p.ds_full = torch.empty(p.ds_shape, dtype=target_dtype, device=target_device)
-        release(p)
 
 
 def _tensors(output) -> List[torch.Tensor]:
