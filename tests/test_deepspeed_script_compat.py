@@ -184,7 +184,9 @@ API: List[Api] = [
         "not needed: a partitioned parameter read outside the forward of the module that owns "
         "it (a tied head, a weight used in the loss) is gathered on attribute access during "
         "the engine's forward and backward"),
-    Api("utils", "differs", "the ZeRO-3 leaf-module marks below; DeepSpeed's other helpers are not provided"),
+    Api("utils", "differs", "the ZeRO-3 leaf-module marks and `logger` below; DeepSpeed's other helpers "
+        "are not provided"),
+    Api("utils.logger", "supported", "the `shardtrain` logger (`[shardtrain]` prefix, INFO, stderr)"),
     Api("utils.set_z3_leaf_modules", "supported",
         "classes or class names (`Block`, `package.module.Block`); also `shardtrain.zero.set_z3_leaf_modules`"),
     Api("utils.unset_z3_leaf_modules", "supported", ""),
