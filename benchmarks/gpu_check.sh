@@ -11,6 +11,14 @@ fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 - <<'PY'
+import importlib
+for name in ("pydantic", "safetensors", "pytest", "transformers"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except ImportError:
+        print(name, "MISSING (tests that need it fail; put its wheel in .whl/)")
+PY
 timeout 300 python3 -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
 timeout 240 python3 benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | grep -v Warning
 timeout 120 python3 benchmarks/bench_ddp.py --device cuda --world 1 --n-layer 12 --n-embd 768 \
