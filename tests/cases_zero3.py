@@ -304,6 +304,36 @@ def case_leaf_selection(rank, world):
     return out
 
 
+@case
+def case_leaf_init_offload_checkpoint(rank, world):
+    """Leaf blocks with zero.Init and parameter offload; the checkpoint they write loads into
+    an engine without leaves, and the other way round: the same training as without leaves."""
+    cfg, data = gpt_tokens(world, steps=6)
+    zero = {"stage3_param_persistence_threshold": 0}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = comm.broadcast_object(tmp)
+        for name, leaf, extra in (("plain", [], {}), ("leaf", ["Block"], {
+                "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}})):
+            torch.manual_seed(0)
+            with Init(enabled=bool(leaf)):
+                model = gpt.GPT(cfg)
+            engine, *_ = shardtrain.initialize(model=model, config=zero3_config(
+                2, leaf_module={"classes": leaf}, **zero, **extra))
+            first = train_gpt(engine, data[:3], rank)["losses"]
+            path = os.path.join(root, name)
+            engine.save_checkpoint(path)
+            rest = train_gpt(engine, data[3:], rank)
+            torch.manual_seed(1)  # other weights: all must come from the checkpoint
+            other, *_ = shardtrain.initialize(model=gpt.GPT(cfg), config=zero3_config(
+                2, leaf_module={"classes": [] if leaf else ["Block"]}, **zero))
+            other.load_checkpoint(path)
+            out[name] = {"losses": first + rest["losses"], "params": rest["params"],
+                         "resumed": train_gpt(other, data[3:], rank)}
+        comm.barrier()
+    return out
+
+
 class TinyMoE(nn.Module):
     """Top-1 routing to one of four experts: which experts run depends on the data, so it
     differs from rank to rank."""

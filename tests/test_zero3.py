@@ -211,3 +211,15 @@ def test_mixture_of_experts_with_a_leaf_block(run):
         assert result(run, "leaf_moe", rank)["losses"] == pytest.approx([l[rank] for l in losses], abs=1e-5)
     close(result(run, "leaf_moe")["params"], cz._state(model))
     same_on_every_rank(run, "leaf_moe")
+
+
+def test_leaf_modules_with_zero_init_offload_and_checkpoints(run):
+    """Leaf blocks under zero.Init with parameters and optimizer offloaded train exactly like
+    per-module gathering; each run's checkpoint resumes in an engine with the other setting."""
+    got = result(run, "leaf_init_offload_checkpoint")
+    plain, leaf = got["plain"], got["leaf"]
+    assert leaf["losses"] == pytest.approx(plain["losses"], abs=1e-6)
+    close(leaf["params"], plain["params"], atol=1e-6)
+    for run_ in (plain, leaf):
+        assert run_["resumed"]["losses"] == pytest.approx(run_["losses"][3:], abs=1e-6)
+        close(run_["resumed"]["params"], run_["params"], atol=1e-6)
