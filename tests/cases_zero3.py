@@ -242,6 +242,34 @@ def case_gathered_parameters(rank, world):
 
 
 @case
+def case_gathered_parameters_reach_masters(rank, world):
+    """Weights written with GatheredParameters(modifier_rank=0) after the engine was built
+    reach its fp32 masters (bf16) and its offloaded copies: a step with lr 0 keeps them."""
+    out = {}
+    for name, extra in (("bf16", {"bf16": {"enabled": True}}),
+                        ("offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {
+                            "device": "cpu"}, "stage3_param_persistence_threshold": 4}})):
+        config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.0,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 4},
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, **extra}
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.emb, model.act, model.head = nn.Linear(IN, H), nn.Tanh(), nn.Linear(H, OUT)
+        engine, *_ = shardtrain.initialize(model=model, config=config)
+        weight = engine.module.head.weight
+        with GatheredParameters([weight], modifier_rank=0):
+            if rank == 0:
+                weight.data.fill_(0.25)
+        x, y = make_data(1, 1, world, 3)
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32  # bf16 modules take bf16 inputs
+        loss = F.cross_entropy(engine(x[0, 0, rank].to(dtype)).float(), y[0, 0, rank])
+        engine.backward(loss)
+        engine.step()
+        out[name] = _state(engine.module)["head.weight"]
+    return out
+
+
+@case
 def case_gather_count(rank, world):
     """A GPT whose tied embedding is sharded, no reuse: every step gathers each module's
     parameters at most once in forward and once in backward."""

@@ -187,6 +187,18 @@ API: List[Api] = [
     Api("utils", "differs", "the ZeRO-3 leaf-module marks and `logger` below; DeepSpeed's other helpers "
         "are not provided"),
     Api("utils.logger", "supported", "the `shardtrain` logger (`[shardtrain]` prefix, INFO, stderr)"),
+    Api("utils.safe_get_full_fp32_param", "not provided",
+        "full weights: `engine.module.state_dict()` (gathers at stage 3) or `zero.GatheredParameters`"),
+    Api("utils.safe_get_full_grad", "not provided",
+        "the reduced gradients exist only inside `engine.step()`; `engine.get_global_grad_norm()` "
+        "gives their norm"),
+    Api("utils.safe_get_full_optimizer_state", "not provided",
+        "each rank holds its slice in `engine.optimizer.state`; `save_checkpoint` + "
+        "`shardtrain.checkpoint` read them whole"),
+    Api("utils.safe_set_full_fp32_param", "not provided",
+        "`engine.module.load_state_dict(...)` at any stage, or at stage 3 "
+        "`zero.GatheredParameters(params, modifier_rank=0)`: full values into every shard and the "
+        "fp32 masters"),
     Api("utils.set_z3_leaf_modules", "supported",
         "classes or class names (`Block`, `package.module.Block`); also `shardtrain.zero.set_z3_leaf_modules`"),
     Api("utils.unset_z3_leaf_modules", "supported", ""),

@@ -223,3 +223,9 @@ def test_leaf_modules_with_zero_init_offload_and_checkpoints(run):
     for run_ in (plain, leaf):
         assert run_["resumed"]["losses"] == pytest.approx(run_["losses"][3:], abs=1e-6)
         close(run_["resumed"]["params"], run_["params"], atol=1e-6)
+
+
+def test_weights_set_under_the_engine_reach_its_masters(run):
+    for name in ("bf16", "offload"):
+        got = result(run, "gathered_parameters_reach_masters")[name]
+        assert torch.equal(got, torch.full((cz.OUT, cz.H), 0.25)), name

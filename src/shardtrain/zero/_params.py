@@ -164,9 +164,19 @@ class GatheredParameters:
                 for p in self.params:
                     comm.broadcast(p.ds_full, self.modifier_rank)
                     write_shard_from_full(p)
+                _refresh_masters(self.params)
             for p in self._gathered:
                 release(p)
         self._gathered = []
+
+
+def _refresh_masters(params: List[torch.nn.Parameter]) -> None:
+    """Shards written under an engine: its fp32 masters (and offloaded copies) follow, or the
+    next step would write the old values back."""
+    owners = {id(o): o for p in params
+              for o in [getattr(getattr(p, "ds_group", None), "owner", None)] if o is not None}
+    for owner in owners.values():
+        owner.view.refresh_masters()
 
 
 def _wait_inflight(p: torch.nn.Parameter) -> None:
