@@ -13,8 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import deepspeed_script as ds  # examples/ is on sys.path (conftest.py)
+from _dist import run_job
 from shardtrain.checkpoint import consolidate
 from shardtrain.optim import build_scheduler
 
@@ -51,15 +51,9 @@ def job(tmp_path_factory):
     cmd = [str(SHARDTRAIN), "run", "--nproc", str(WORLD), "--local-rank-arg", str(SCRIPT),
            "--deepspeed", "--deepspeed_config", str(CONFIG), "--epochs", str(EPOCHS),
            "--save_dir", str(tmp / "ckpt"), "--log_file", str(tmp / "log.json")]
-    proc = subprocess.Popen(cmd, env=job_env(), cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: one process group
-        out, _ = proc.communicate()
-        pytest.fail(f"shardtrain run passed its 150 s deadline:\n{out[-6000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-6000:]}"
+    returncode, out = run_job(cmd, job_env(), tmp,
+                              reset=lambda: shutil.rmtree(tmp / "ckpt", ignore_errors=True))
+    assert returncode == 0, f"exit {returncode}:\n{out[-6000:]}"
     return {"out": out, "log": json.loads((tmp / "log.json").read_text()), "ckpt": tmp / "ckpt",
             "tmp": tmp}
 

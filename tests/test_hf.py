@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="pip install transformers (the hf extra)")
 
 import cases_hf as ch  # noqa: E402  (after the skip: it builds transformers models)
-from _dist import run_ranks  # noqa: E402
+from _dist import run_job, run_ranks  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 WORLD = 2
@@ -186,15 +184,8 @@ def test_example_trains_at_stage_3_under_shardtrain_run(tmp_path):
     env.update(SHARDTRAIN_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **OFFLINE)
     cmd = [str(Path(sys.executable).with_name("shardtrain")), "run", "--nproc", "2", str(EXAMPLE),
            "--stage", "3", "--steps", "4", "--sample", "16", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"examples/hf_gpt2.py passed its 150 s deadline:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    returncode, out = run_job(cmd, env, tmp_path)
+    assert returncode == 0, out[-6000:]
     assert "ZeRO stage 3, 2 process(es)" in out and "after 4 steps" in out and "sample:" in out
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert "lm_head.weight" in weights and weights["transformer.wte.weight"].shape[1] == 128
