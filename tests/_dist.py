@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -35,9 +36,11 @@ def free_port() -> int:
 
 
 #: What a worker prints when it aborts in C++ teardown after its Python code has finished
-#: (with PYTHONFAULTHANDLER=1 the main thread shows no Python frame): a shutdown race below
-#: shardtrain (gloo/c10d, torch 2.13), seen about once in a hundred worker exits on a loaded
-#: 2-core machine. Training finished; the launcher still reports the job as failed.
+#: (with PYTHONFAULTHANDLER=1 the main thread shows no Python frame): a gloo worker thread
+#: freeing its last collective's tensors while the interpreter exits. comm.init_distributed
+#: removes the known cause (see comm._import_dynamo_first); the jobs run again once if it
+#: shows up anyway, with a warning, so that a teardown race below shardtrain does not fail a
+#: test about training.
 EXIT_ABORT = ("terminate called without an active exception", "<no Python frame>")
 
 
@@ -64,6 +67,7 @@ def run_job(cmd: List[str], env: Dict[str, str], cwd, timeout: float = 150,
                         f"{out[-6000:]}")
         if not aborted_at_exit(out) or attempt == 2:
             return proc.returncode, out
+        warnings.warn(f"a worker aborted at exit; running the job again:\n{out[-2000:]}")
         reset()
     raise AssertionError("unreachable")
 

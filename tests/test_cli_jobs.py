@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -137,6 +138,7 @@ class Job:
                 if self.retried:
                     pytest.fail(f"a worker aborted at exit twice:\n{str(aborted)[-6000:]}")
                 self.retried = True
+                warnings.warn(f"a worker aborted at exit; running the job again:\n{str(aborted)[-2000:]}")
                 self.reset()
                 self.procs = [start(args) for args in self.launches()]
                 return self.output()

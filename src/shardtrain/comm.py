@@ -125,6 +125,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         env = LaunchEnv(rank, world_size, env.local_rank, env.master_addr, env.master_port,
                         "explicit")
     accelerator.set_local_device(env.local_rank)
+    _import_dynamo_first()
     if env.world_size == 1 and init_method is None:
         # A world of one needs no rendezvous: an in-process store avoids taking a port.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -139,6 +140,19 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     atexit.register(_destroy_at_exit)
     logger.debug("process group: backend=%s rank=%d world=%d via %s", backend, env.rank,
                  env.world_size, env.source)
+
+
+def _import_dynamo_first() -> None:
+    """Imports torch._dynamo before the group exists. Imported later (torch.optim and
+    torch.compile import it), it keeps references to the default group (torch 2.13), so the
+    group outlives destroy() and is torn down while the interpreter exits; a gloo worker
+    thread that then drops its last collective's tensors needs the GIL, cannot take it and
+    aborts the process ("terminate called without an active exception") after the script
+    has finished."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as err:  # a broken optional dependency must not stop training
+        logger.debug("torch._dynamo not imported before the process group: %s", err)
 
 
 def _destroy_at_exit() -> None:
