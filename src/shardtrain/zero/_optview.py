@@ -13,7 +13,7 @@ its param groups and hyperparameters, so any ``torch.optim`` optimizer works unc
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,10 +121,12 @@ class OptimizerView:
                 src.copy_(t.view(-1), non_blocking=self._pin)
 
     @torch.no_grad()
-    def refresh_masters(self) -> None:
-        """Re-reads masters from the parameters (after weights were loaded into them)."""
-        for src, t in zip(self.sources, self.tensors):
-            if t is not None and not _shares(t, src):
+    def refresh_masters(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        """Re-reads masters from the parameters (after weights were loaded into them); only
+        those of ``params`` when given."""
+        wanted = None if params is None else {id(p) for p in params}
+        for p, src, t in zip(self.params, self.sources, self.tensors):
+            if t is not None and not _shares(t, src) and (wanted is None or id(p) in wanted):
                 t.view(-1).copy_(src)
 
 

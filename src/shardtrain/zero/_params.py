@@ -176,7 +176,7 @@ def _refresh_masters(params: List[torch.nn.Parameter]) -> None:
     owners = {id(o): o for p in params
               for o in [getattr(getattr(p, "ds_group", None), "owner", None)] if o is not None}
     for owner in owners.values():
-        owner.view.refresh_masters()
+        owner.view.refresh_masters(params)
 
 
 def _wait_inflight(p: torch.nn.Parameter) -> None:
