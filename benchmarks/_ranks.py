@@ -1,6 +1,7 @@
 """Starting a benchmark's ranks: one spawned process per rank, rank 0's result back."""
 from __future__ import annotations
 
+import os
 import queue as queues
 import socket
 import time
@@ -15,14 +16,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: Callable, world: int, *args: Any, timeout: float = 1800) -> Any:
-    """Runs ``worker(rank, world, port, *args, queue)`` on ``world`` processes and returns what
-    rank 0 puts on the queue. Raises SystemExit as soon as a rank fails (the others are stopped)
-    or after ``timeout`` seconds."""
+def _rank_main(worker: Callable, device: str, rank: int, world: int, port: int, *rest: Any) -> None:
+    """A rank's process: the variables shardtrain.init_distributed reads, then the worker."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      SHARDTRAIN_ACCELERATOR=device)
+    worker(rank, world, port, *rest)
+
+
+def run_ranks(worker: Callable, world: int, *args: Any, device: str = "cpu",
+              timeout: float = 1800) -> Any:
+    """Runs ``worker(rank, world, port, *args, queue)`` on ``world`` processes (each with the
+    launcher variables of its rank set, on ``device``) and returns what rank 0 puts on the
+    queue. Raises SystemExit as soon as a rank fails (the others are stopped) or after
+    ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue))
+    procs = [ctx.Process(target=_rank_main, args=(worker, device, r, world, port, *args, queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -111,9 +111,6 @@ def _baseline(engine, args, where: Path, rank: int) -> dict:
 
 
 def _worker(rank, world, port, args, base, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      SHARDTRAIN_ACCELERATOR="cpu")
     torch.set_num_threads(args.threads)
     import shardtrain
     shardtrain.init_distributed()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -93,9 +92,6 @@ def _state_bytes_ddp(model, opt):
 
 
 def _worker(rank, world, port, args, gas, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      SHARDTRAIN_ACCELERATOR=args.device)
     torch.set_num_threads(args.threads)
     import gpt
     import shardtrain
@@ -145,7 +141,7 @@ def _worker(rank, world, port, args, gas, queue):
 
 
 def measure(args, gas):
-    return run_ranks(_worker, args.world, args, gas)
+    return run_ranks(_worker, args.world, args, gas, device=args.device)
 
 
 def report(result):

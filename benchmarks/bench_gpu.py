@@ -2,7 +2,8 @@
 
 For ZeRO stages 0-3 (stage 3 also with its blocks as leaf modules, and stage 0 with
 torch.compile) it prints tokens/s, model FLOPs utilisation against the device's peak, and
-peak memory, on the GPUs of one machine (one process per GPU, NCCL). Finishes in a few minutes on one H100/H200.
+peak memory, on the GPUs of one machine (one process per GPU, NCCL). Finishes in a few
+minutes on one H100/H200.
 
     python benchmarks/bench_gpu.py                      # every GPU of this machine
     python benchmarks/bench_gpu.py --peak-tflops 989    # MFU against a given peak
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -67,9 +67,6 @@ def peak_tflops(args) -> float:
 
 
 def _run(rank, world, port, args, stage, compiled, leaf, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      SHARDTRAIN_ACCELERATOR=args.device)
     import gpt
     import shardtrain
     shardtrain.init_distributed()
@@ -112,7 +109,7 @@ def _run(rank, world, port, args, stage, compiled, leaf, queue):
 
 def measure(args, stage, compiled, leaf):
     world = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 1)
-    return run_ranks(_run, world, args, stage, compiled, leaf, timeout=900)
+    return run_ranks(_run, world, args, stage, compiled, leaf, device=args.device, timeout=900)
 
 
 def main(argv=None):

@@ -147,6 +147,15 @@ def run_ranks(target: str, world_size: int, timeout: float = 180.0,
     return [got[r] for r in range(world_size)]
 
 
+def result(run: Tuple, name: str, rank: int = 0) -> Any:
+    """What case ``name`` returned on ``rank``, from a module fixture whose second item is
+    ``run_ranks``'s per-rank results; a case that raised fails the test with its traceback."""
+    value = run[1][rank][name]
+    if isinstance(value, dict) and "error" in value:
+        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
+    return value
+
+
 def _read_logs(logs: List[str]) -> str:
     parts = []
     for rank, path in enumerate(logs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cases_engine as ce
-from _dist import run_ranks
+from _dist import result, run_ranks
 from shardtrain.memory import zero_formula_bytes
 from shardtrain.optim import build_scheduler
 
@@ -23,14 +23,6 @@ GRID = [(stage, world) for stage in (0, 1, 2, 3) for world in (1, 2, 3)]
 def run(request):
     stage, world = request.param
     return world, run_ranks("cases_engine:run_all", world, timeout=240, stage=stage), stage
-
-
-def result(run, name, rank=0):
-    world, per_rank, _ = run
-    value = per_rank[rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 def assert_close_params(got, want, atol=1e-5, rtol=1e-5):

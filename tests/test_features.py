@@ -4,19 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import result, run_ranks
 
 
 @pytest.fixture(scope="module")
 def run():
     return 2, run_ranks("cases_features:run_all", 2, timeout=600)
-
-
-def result(run, name, rank=0):
-    value = run[1][rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 def close(a, b, atol=1e-5):

@@ -24,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="pip install transformers (the hf extra)")
 
 import cases_hf as ch  # noqa: E402  (after the skip: it builds transformers models)
-from _dist import run_job, run_ranks  # noqa: E402
+from _dist import result, run_job, run_ranks  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 WORLD = 2
@@ -45,13 +45,6 @@ def run(tmp_path_factory):
               str(root / "pretrained.safetensors"))
     results = run_ranks("cases_hf:run_all", WORLD, timeout=240, env=OFFLINE, root=str(root))
     return root, results
-
-
-def result(run, name, rank=0):
-    value = run[1][rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ import torch
 
 import cases_zero3 as cz
 import gpt
-from _dist import run_ranks
+from _dist import result, run_ranks
 from cases_engine import adamw, make_data
 
 
@@ -18,13 +18,6 @@ from cases_engine import adamw, make_data
 def run(request):
     world = request.param
     return world, run_ranks("cases_zero3:run_all", world, timeout=240)
-
-
-def result(run, name, rank=0):
-    value = run[1][rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 def close(got, want, atol=1e-5):
