@@ -9,9 +9,12 @@ STAMP  := $(VENV)/.installed
 # Create .venv if missing; (re)install only when the dependency files change.
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-dev.txt
+# The last line installs the `deepspeed` alias (built here, never uploaded anywhere), so that
+# the tests run the Hugging Face Trainer, Accelerate and Lightning on shardtrain.
+$(STAMP): pyproject.toml requirements-dev.txt src/shardtrain/deepspeed/_distribution.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-dev.txt -e .
+	$(VENV)/bin/shardtrain deepspeed-alias install
 	touch $@
 
 demo: $(STAMP)

@@ -176,10 +176,24 @@ def test_missing_file_names_the_path(tmp_path):
             load_config(form, WS)
 
 
+def test_config_files_are_read_as_hjson_as_deepspeed_does(tmp_path):
+    """DeepSpeed reads config files with hjson: comments, trailing commas, bare keys."""
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // the global batch\n  "train_batch_size": 8,  # two kinds of comment\n'
+                    '  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,},},\n'
+                    '  zero_optimization: {stage: 2}\n}\n')
+    cfg = load_config(path, WS)
+    assert (cfg.train_batch_size, cfg.zero_optimization.stage) == (8, 2)
+    assert cfg.optimizer.params == {"lr": 1e-3}
+    path.write_text("{train_batch_size: 8\n train_batch_size: 4}")
+    with pytest.raises(ConfigError, match=r"Duplicate keys.*train_batch_size"):
+        load_config(path, WS)
+
+
 def test_invalid_json_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"train_batch_size": 8,\n "fp16": }')
-    with pytest.raises(ConfigError, match=r"not valid JSON.*line 2"):
+    with pytest.raises(ConfigError, match=r"neither JSON nor hjson: as JSON, .*line 2"):
         load_config(path, WS)
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):

@@ -37,7 +37,7 @@ __all__ = [
 def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.nn.Module] = None,
                optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port: int = 29500, mpu=None, dist_init_required: Optional[bool] = None,
-               collate_fn=None, config=None, config_params=None
+               collate_fn=None, config=None, mesh_param=None, config_params=None
                ) -> Tuple[Engine, Any, Any, Any]:
     """Builds the training engine around ``model``.
 
@@ -53,7 +53,10 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
         lr_scheduler: a scheduler, a callable taking the optimizer, or None for the config's
             ``scheduler`` block.
         collate_fn: for the returned loader.
-        config: a dict, a path to a JSON file, or base64 JSON (``config_params`` is an alias).
+        config: a dict, a path to a JSON (or hjson) file, or base64 JSON (``config_params``
+            is an alias).
+        mpu, mesh_param: DeepSpeed's model-parallel unit and device mesh; shardtrain has one
+            data-parallel group, so both must be None.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; the last three may be None.
@@ -68,6 +71,10 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
     if mpu is not None:
         raise NotImplementedError("initialize(mpu=...): model parallelism is not supported by "
                                   "shardtrain; pass mpu=None.")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...): sequence and tensor parallelism "
+                                  "over a device mesh are not supported by shardtrain yet; pass "
+                                  "mesh_param=None (data parallelism over every rank).")
     config = _resolve_config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     cfg = config if isinstance(config, ShardConfig) else load_config(config, comm.get_world_size())

@@ -50,7 +50,7 @@ from .zero._shards import shard_range
 if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
     from .engine import Engine
 
-__all__ = ["consolidate", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION"]
+__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _FORMAT = "shardtrain-checkpoint"
@@ -1220,12 +1220,7 @@ def consolidate(checkpoint_dir: str, out_path: str, tag: Optional[str] = None,
         >>> consolidate("checkpoints", "model.safetensors", dtype="bf16")
         >>> model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"consolidate: dtype {dtype!r} is not one of None, "
-                         f"{', '.join(repr(k) for k in _DTYPES)}.")
-    tag_dir = _consolidate_source(os.fspath(checkpoint_dir), tag)
-    meta = _problems_raised(_read_meta, tag_dir)
-    weights = _problems_raised(_full_weights, tag_dir, meta, dtype)
+    weights = full_weights(checkpoint_dir, tag, dtype)
     out_path = os.fspath(out_path)
     tmp = f"{out_path}{_TMP}{uuid.uuid4().hex[:12]}"
     try:
@@ -1235,6 +1230,30 @@ def consolidate(checkpoint_dir: str, out_path: str, tag: Optional[str] = None,
         if os.path.exists(tmp):
             os.remove(tmp)
     return out_path
+
+
+def full_weights(checkpoint_dir: str, tag: Optional[str] = None, dtype: Optional[str] = None,
+                 exclude_frozen_parameters: bool = False) -> Dict[str, torch.Tensor]:
+    """The full model weights of a checkpoint, as a state dict of CPU tensors.
+
+    What :func:`consolidate` writes, without writing it: one CPU process, no process group,
+    any world size and stage. Arguments and errors as :func:`consolidate`'s;
+    ``exclude_frozen_parameters`` leaves out the parameters that were not trained.
+
+    Example:
+        >>> model.load_state_dict(full_weights("checkpoints", dtype="fp32"))
+    """
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of None, "
+                         f"{', '.join(repr(k) for k in _DTYPES)}.")
+    tag_dir = _consolidate_source(os.fspath(checkpoint_dir), tag)
+    meta = _problems_raised(_read_meta, tag_dir)
+    weights = _problems_raised(_full_weights, tag_dir, meta, dtype)
+    if exclude_frozen_parameters:
+        frozen = {n for n, e in meta["params"].items() if not e.get("trainable")}
+        weights = {k: v for k, v in weights.items()
+                   if k not in frozen and meta.get("aliases", {}).get(k) not in frozen}
+    return weights
 
 
 def _problems_raised(fn, *args):

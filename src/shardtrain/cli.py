@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import __version__, _cli_consolidate, _cli_estimate, _cli_info, _cli_run, monitor, profiling
+from . import (__version__, _cli_alias, _cli_consolidate, _cli_estimate, _cli_info, _cli_run,
+               monitor, profiling)
 from ._cli_common import _Failure, _UsageError
 
 __all__ = ["main", "build_parser"]
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cli_estimate.add_parser(commands)
     _cli_info.add_parser(commands)
     _cli_consolidate.add_parser(commands)
+    _cli_alias.add_parser(commands)
     profiling.add_autotune_parser(commands)  # its arguments are parsed by profiling.autotune_main
     monitor.add_plot_parser(commands)        # and these by monitor.plot_main
     return parser
@@ -77,6 +79,7 @@ commands:
   consolidate  full weights of a checkpoint (any world size, any stage) in one file
   autotune   largest micro-batch that fits a memory budget per ZeRO stage, fastest config
   plot       PNG plots of loss, learning rate, throughput and memory from monitor files
+  deepspeed-alias  install the deepspeed alias: libraries that import deepspeed run on shardtrain
 
 examples:
   shardtrain run --nproc 2 train.py --config train.json
@@ -85,6 +88,7 @@ examples:
   shardtrain consolidate checkpoints/ model.safetensors
   shardtrain autotune train.py --config train.json --memory-budget 20GiB --stages 0,2,3
   shardtrain plot runs/demo
+  shardtrain deepspeed-alias install
 
 'shardtrain COMMAND --help' explains each command.
 """

@@ -253,6 +253,14 @@ def _int_value(value: Any) -> int:
     raise ValueError("expected an integer")
 
 
+def _every_value(value: Any) -> Optional[int]:
+    """``steps_per_print``: a positive count, or infinity (as Accelerate writes it) or null
+    for never; infinity is stored as null."""
+    if isinstance(value, float) and math.isinf(value) and value > 0:
+        return None
+    return None if value is None else _int_value(value)
+
+
 def _float_value(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("expected a number")
@@ -1081,7 +1089,8 @@ class ShardConfig(_ConfigModel):
     train_micro_batch_size_per_gpu: _Int = Field(None, description="samples per forward/backward on one rank")
     gradient_accumulation_steps: _Int = Field(None, description="micro-batches per optimizer step")
     managed_gradient_accumulation: _Bool = Field(True, description="false: every step() is a boundary")
-    steps_per_print: Optional[_Int] = Field(None, gt=0, description="log progress every N steps; null = never")
+    steps_per_print: Annotated[Optional[int], BeforeValidator(_every_value)] = Field(
+        None, gt=0, description="log progress every N steps; null or Infinity = never")
     wall_clock_breakdown: _Bool = Field(False, description="per-step forward/backward/reduce/optimizer timers, "
                                                        "logged every steps_per_print steps (rank 0)")
     memory_breakdown: _Bool = Field(False, description="memory per rank in the steps_per_print log")
@@ -1191,6 +1200,28 @@ class ShardConfig(_ConfigModel):
     def raw(self) -> Dict[str, Any]:
         """The config exactly as the user gave it (a copy)."""
         return copy.deepcopy(self._raw)
+
+    # DeepSpeed's ``engine.config`` is the config dict as given: libraries read it with
+    # ``engine.config.get("zero_optimization", {})`` and ``engine.config["train_batch_size"]``.
+    def _as_given(self) -> Dict[str, Any]:
+        given = dict(self._raw)
+        for key in _BATCH_KEYS:  # resolved, never "auto" or missing
+            given[key] = getattr(self, key)
+        return given
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of top-level ``key`` as the config gave it (the batch keys resolved)."""
+        return self._as_given().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        given = self._as_given()
+        if key not in given:
+            raise KeyError(f"{key!r} is not in the config (it takes its default: "
+                           f"see engine.config.{key} for the resolved value)")
+        return given[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._as_given()
 
     def to_dict(self) -> Dict[str, Any]:
         """The resolved config as plain JSON data; ``load_config`` accepts it back unchanged."""
@@ -1441,8 +1472,7 @@ def _read_file(path: Path) -> Dict[str, Any]:
     try:
         data = _parse_json(text)
     except json.JSONDecodeError as error:
-        raise ConfigError(f"Config file {str(path)!r} is not valid JSON: {error.msg} at line {error.lineno}, "
-                          f"column {error.colno}.") from None
+        data = _parse_hjson(text, path, error)
     except ConfigError as error:
         raise ConfigError(f"Config file {str(path)!r}: {error}") from None
     if not isinstance(data, dict):
@@ -1462,7 +1492,21 @@ def _decode_base64(text: str) -> Optional[Dict[str, Any]]:
     return data if isinstance(data, dict) else None
 
 
-def _parse_json(text: str) -> Any:
+def _parse_hjson(text: str, path: Path, json_error: json.JSONDecodeError) -> Any:
+    """DeepSpeed reads config files as hjson: comments, trailing commas, unquoted keys."""
+    import hjson  # a dependency; imported only for files that are not plain JSON
+
+    try:
+        return _parse_json(text, loads=hjson.loads)
+    except ConfigError as error:
+        raise ConfigError(f"Config file {str(path)!r}: {error}") from None
+    except hjson.HjsonDecodeError as error:
+        raise ConfigError(f"Config file {str(path)!r} is neither JSON nor hjson: as JSON, "
+                          f"{json_error.msg} at line {json_error.lineno}, column {json_error.colno}; "
+                          f"as hjson, {error.msg} at line {error.lineno}, column {error.colno}.") from None
+
+
+def _parse_json(text: str, loads=json.loads) -> Any:
     duplicates: List[str] = []
 
     def pairs_to_dict(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -1473,7 +1517,7 @@ def _parse_json(text: str) -> Any:
             result[key] = value
         return result
 
-    data = json.loads(text, object_pairs_hook=pairs_to_dict)
+    data = loads(text, object_pairs_hook=pairs_to_dict)
     if duplicates:
         raise ConfigError(f"Duplicate keys in the config: {sorted(set(duplicates))}. JSON keeps only the last one; "
                           "remove the others.")

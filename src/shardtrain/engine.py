@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from . import accelerator, checkpointing, comm
 from . import checkpoint as _ckpt
+from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
 from .config import ShardConfig
 from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
@@ -29,30 +30,7 @@ from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2, ZeroStag
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
 
 
-class _BackwardEntry(torch.autograd.Function):
-    """Identity on the model's outputs whose backward is the first thing autograd runs.
-
-    It lets a plain ``loss.backward()`` behave like ``engine.backward(loss)``: it applies
-    the loss scale (which ``engine.backward`` applies to the loss itself instead), and it
-    queues the end-of-backward callback from the outermost graph task, where it fires
-    once, after every gradient (also those of reentrant checkpointed regions) has landed.
-    """
-
-    @staticmethod
-    def forward(ctx, engine: "Engine", *tensors: torch.Tensor):
-        ctx.engine = engine
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
-        factor = ctx.engine._enter_backward()
-        if factor != 1.0:
-            grads = tuple(None if g is None else g * factor for g in grads)
-        return (None, *grads)
-
-
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     """Wraps a model for data-parallel training; built by :func:`shardtrain.initialize`.
 
     Example:
@@ -91,6 +69,9 @@ class Engine(torch.nn.Module):
         self._in_engine_backward = False
         self._callback_queued = False
         self._backward_calls = 0
+        self._backward_task = -1       # the autograd graph task the output hooks last saw
+        self._backward_factor = 1.0
+        self._step_grads: Optional[List[torch.Tensor]] = None  # reduced, for this step
         self._last_print = (time.perf_counter(), 0)
 
         self._precision = Precision.from_config(config, self.device.type)
@@ -102,6 +83,8 @@ class Engine(torch.nn.Module):
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (monitor.py)
+        self._publish_optimizer_flags(overflow=False)
+        _ENGINES.add(self)
         # Weights loaded into the module later must reach the fp32 masters too.
         self.module.register_load_state_dict_post_hook(
             lambda module, keys: self._strategy.view.refresh_masters())
@@ -208,19 +191,34 @@ class Engine(torch.nn.Module):
         return pytree.tree_map(move, (inputs, kwargs))
 
     def _hook_outputs(self, outputs):
+        """Puts a gradient hook on each output that autograd will differentiate; the outputs
+        themselves are returned as they are, ordinary tensors (``loss *= s`` works).
+
+        The first hook a backward pass reaches starts the engine's backward
+        (:meth:`_on_output_grad`), so a plain ``loss.backward()`` behaves like
+        ``engine.backward(loss)``. A hook registered before an in-place change of the
+        tensor still fires, with the gradient of the value the model returned.
+        """
         if isinstance(outputs, torch.Tensor):
-            if outputs.requires_grad and outputs.is_floating_point():
-                return _BackwardEntry.apply(self, outputs)[0]
-            return outputs
-        leaves, spec = pytree.tree_flatten(outputs)
-        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
-                 and x.requires_grad and x.is_floating_point()]
-        if not slots:
-            return outputs
-        hooked = _BackwardEntry.apply(self, *[leaves[i] for i in slots])
-        for i, tensor in zip(slots, hooked):
-            leaves[i] = tensor
-        return pytree.tree_unflatten(leaves, spec)
+            leaves = [outputs]
+        else:
+            leaves = pytree.tree_leaves(outputs)
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
+                x.register_hook(self._on_output_grad)
+        return outputs
+
+    def _on_output_grad(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Runs when backward reaches a model output: once per backward pass (one autograd
+        graph task) it enters the engine's backward; every output's gradient gets the loss
+        scale (which ``engine.backward`` applies to the loss itself instead)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:
+            self._backward_task = task
+            self._backward_factor = self._enter_backward()
+        if self._backward_factor == 1.0 or grad is None:
+            return None
+        return grad * self._backward_factor
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -280,6 +278,9 @@ class Engine(torch.nn.Module):
                 f"engine.no_sync() is not available at ZeRO stage {self._strategy.stage}: "
                 "gradients are reduce-scattered every micro-step so that no rank holds a full "
                 "gradient. Use gradient_accumulation_steps instead, or ZeRO stage 0 or 1.")
+        if self._no_sync_depth:
+            raise RuntimeError("engine.no_sync() is already active: no_sync() blocks do not "
+                               "nest (DeepSpeed refuses it too); leave the outer block first.")
         self._no_sync_depth += 1
         try:
             yield
@@ -307,7 +308,7 @@ class Engine(torch.nn.Module):
 
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
         self._watch.step_begin()
-        grads = self._strategy.optimizer_grads(self.gradient_accumulation_steps())
+        grads = self._reduced_grads()
         self._watch.lap("reduce")  # the gradient reduction still in flight has landed
         overflow = self._unscale_and_clip(grads)
         if overflow:
@@ -319,6 +320,7 @@ class Engine(torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self._scaler.update(overflow)
         self._step_applied = not overflow
+        self._publish_optimizer_flags(overflow)
         self._watch.lap("optimizer")
         self._clear_grads()
         self._advance_counters()
@@ -343,7 +345,38 @@ class Engine(torch.nn.Module):
             torch._foreach_mul_(grads, coef)
         return False
 
+    def _reduced_grads(self) -> List[torch.Tensor]:
+        """Finishes this step's gradient reduction (once) and hands the optimizer its
+        averaged gradients; they stay attached until the gradients are cleared."""
+        if self._step_grads is None:
+            self._step_grads = self._strategy.optimizer_grads(self.gradient_accumulation_steps())
+        return self._step_grads
+
+    def reduced_gradients(self, what: str = "reduced_gradients") -> List[torch.Tensor]:
+        """Completes the gradient reduction of the accumulation boundary now, before
+        ``step()``: the optimizer's tensors then hold their averaged gradients (still
+        multiplied by the fp16 loss scale). ``step()`` uses them as they are.
+
+        Raises:
+            RuntimeError: off an accumulation boundary, or before any backward of this step.
+        """
+        if not self.is_gradient_accumulation_boundary() or self._no_sync_depth:
+            raise RuntimeError(f"{what}: the averaged gradients exist between the backward of an "
+                               f"accumulation boundary and step(); micro-step {self.micro_steps} "
+                               f"is not a boundary (or no_sync() is active).")
+        if self._step_grads is None and self._backward_calls == 0:
+            raise RuntimeError(f"{what}: no backward has run since the last step.")
+        return self._reduced_grads()
+
+    def _publish_optimizer_flags(self, overflow: bool) -> None:
+        """DeepSpeed's optimizer wrappers carry ``overflow`` and the loss scale; scripts and
+        libraries (Accelerate's ``step_was_skipped``, the Trainer) read them there."""
+        if self.optimizer is not None:
+            self.optimizer.overflow = overflow
+            self.optimizer.loss_scale = self.optimizer.cur_scale = self._scaler.scale
+
     def _clear_grads(self) -> None:
+        self._step_grads = None
         self._strategy.zero_grads()
 
     def _advance_counters(self) -> None:
@@ -522,6 +555,22 @@ class Engine(torch.nn.Module):
     def load_module_state_dict(self, state_dict, strict: bool = True):
         """``engine.module.load_state_dict()``: full weights into the shards at every stage."""
         return self.module.load_state_dict(state_dict, strict=strict)
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine lacks come from the module (``engine.config`` aside), as
+        DeepSpeed's engine does: ``engine.gradient_checkpointing_enable()``."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules and not name.startswith("__"):
+                try:
+                    return getattr(modules["module"], name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"{type(self).__name__} (the engine) and its module "
+                                 f"{type(modules.get('module')).__name__} have no attribute "
+                                 f"{name!r}") from None
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

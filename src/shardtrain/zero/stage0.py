@@ -102,6 +102,9 @@ class DataParallel:
     def begin_backward(self) -> None:
         """Backward is starting (stage 3 stops releasing parameters until it ends)."""
 
+    def release_all(self) -> None:
+        """Frees gathered parameters (stage 3); every parameter is whole here."""
+
     def param_storage(self) -> List[torch.Tensor]:
         """Parameter storage beyond the module's own tensors (stage 3 shards)."""
         return []

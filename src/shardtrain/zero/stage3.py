@@ -414,6 +414,13 @@ class ZeroStage3(ZeroStage2):
             g.active = 0
             g.release()  # after a step any gathered copy is stale
 
+    def release_all(self) -> None:
+        """Releases every gathered group no running forward needs (after inference or
+        ``generate()``, whose parameters forward hooks keep around for reuse)."""
+        for g in self.groups:
+            if g.active == 0:
+                g.release()
+
     def param_storage(self) -> List[torch.Tensor]:
         """What holds the parameters between steps: the group shards (and whole small ones)."""
         return [g.flat for g in self.groups]

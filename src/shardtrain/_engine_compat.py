@@ -1,0 +1,227 @@
+"""The engine's DeepSpeed-named queries and hooks for the libraries built on DeepSpeed.
+
+:class:`shardtrain.Engine` is DeepSpeed's ``DeepSpeedEngine`` for the Hugging Face Trainer,
+Accelerate, Lightning and DeepSpeed's example scripts, which ask the engine for its
+settings with DeepSpeed's getters (``bfloat16_enabled()``, ``zero_optimization()``,
+``get_batch_info()``...), save weights through ``_zero3_consolidated_16bit_state_dict()``
+and reach model attributes through the engine. Those members live here, apart from the
+training step in ``engine.py``; the engine inherits them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from . import comm
+
+#: engines alive in this process, to find the one that trains a parameter
+_ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """What the optimizer holds of one trainable parameter on this rank.
+
+    ``tensor`` is the optimizer's tensor for elements ``[lo, hi)`` of the flattened
+    parameter (its fp32 master, a view of the parameter, or the parameter itself; None when
+    this rank holds no element of it); ``sharded`` is False when every rank holds all of it.
+    """
+
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    numel: int
+    tensor: Optional[torch.Tensor]
+    sharded: bool
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: samples per second over the steps taken so far."""
+
+    def __init__(self, engine: Any):
+        self._engine = weakref.ref(engine)
+        self._start = time.perf_counter()
+        self._samples0 = 0
+
+    def start(self) -> None:
+        """Restarts the measurement from now."""
+        engine = self._engine()
+        self._start = time.perf_counter()
+        self._samples0 = engine.global_samples if engine is not None else 0
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """Nothing to stop: the rate is read from the engine's counters."""
+
+    def update_epoch_count(self) -> None:
+        """DeepSpeed counts epochs here; the rate does not depend on them."""
+
+    def avg_samples_per_sec(self) -> float:
+        engine = self._engine()
+        if engine is None:
+            return 0.0
+        elapsed = time.perf_counter() - self._start
+        return (engine.global_samples - self._samples0) / elapsed if elapsed > 0 else 0.0
+
+
+class DeepSpeedEngineAPI:
+    """DeepSpeed's engine getters and the members its client libraries call."""
+
+    # -- settings (DeepSpeed's getter names) ----------------------------------------------------
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def fp16_auto_cast(self) -> bool:
+        return bool(self.config.fp16.auto_cast)
+
+    def amp_enabled(self) -> bool:
+        return False  # DeepSpeed's "amp" block was removed; torch_autocast replaces it
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self.config.torch_autocast.enabled)
+
+    def zero_optimization(self) -> bool:
+        """True at ZeRO stages 1-3."""
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() == 3
+
+    def zero_offload_optimizer(self):
+        return self.config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self):
+        return self.config.zero_optimization.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        offload = self.config.zero_optimization.offload_optimizer
+        return offload is not None and offload.device == "cpu"
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.reduce_bucket_size)
+
+    def zero_allgather_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.allgather_bucket_size)
+
+    def zero_overlap_comm(self) -> bool:
+        return bool(self.config.zero_optimization.overlap_comm)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
+        return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and self.config.fp16.loss_scale == 0
+
+    def loss_scale(self) -> float:
+        return float(self.config.fp16.loss_scale)
+
+    def steps_per_print(self) -> Optional[int]:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.wall_clock_breakdown)
+
+    def memory_breakdown(self) -> bool:
+        return bool(self.config.memory_breakdown)
+
+    def communication_data_type(self) -> torch.dtype:
+        return self.config.comm_dtype()
+
+    def postscale_gradients(self) -> bool:
+        return not self.config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return float(self.config.gradient_predivide_factor)
+
+    def get_batch_info(self) -> Tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world_size
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        timer = self.__dict__.get("_tput_timer")
+        if timer is None:
+            timer = self.__dict__["_tput_timer"] = ThroughputTimer(self)
+        return timer
+
+    # -- saving full weights at stage 3 (the Trainer's and Accelerate's path) --------------------
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[Dict[str, torch.Tensor]]:
+        """The full 16-bit (module dtype) weights on rank 0, as CPU tensors; None on the
+        other ranks. Every rank must call it (stage 3 gathers one module at a time)."""
+        state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in state.items()}
+
+    def empty_partition_cache(self) -> None:
+        """Releases the stage-3 parameters forward hooks keep gathered (after ``generate()``
+        or evaluation); nothing at stages 0-2."""
+        self._strategy.release_all()
+
+    def destroy(self) -> None:
+        """Detaches the engine from its model: gradient hooks removed, stage-3 parameters
+        released. The process group stays (``shardtrain.destroy()`` ends it)."""
+        self.empty_partition_cache()
+        self._strategy.remove_hooks()
+        _ENGINES.discard(self)
+
+    # -- parameters, as the safe_get_full_* helpers reach them -------------------------------
+
+    @staticmethod
+    def of_parameter(param: torch.Tensor) -> Optional[Any]:
+        """The live engine that trains ``param``, or None."""
+        for engine in list(_ENGINES):
+            if engine.optimizer_slot(param) is not None:
+                return engine
+        return None
+
+    def optimizer_slot(self, param: torch.Tensor) -> Optional[ParamSlot]:
+        """What this rank's optimizer holds of ``param`` (None if the engine does not train it)."""
+        view = self._strategy.view
+        index = self.__dict__.get("_slot_index")
+        if index is None or len(index) != len(view.params):
+            index = self.__dict__["_slot_index"] = {id(p): i for i, p in enumerate(view.params)}
+        i = index.get(id(param))
+        if i is None:
+            return None
+        lo, hi = view.slices[i]
+        numel = int(getattr(param, "ds_numel", param.numel()))
+        return ParamSlot(param, lo, hi, numel, view.tensors[i],
+                         sharded=self.zero_optimization_stage() > 0 and comm.get_world_size() > 1)
+
+    def parameters_changed(self, param: torch.Tensor) -> None:
+        """The optimizer's fp32 copy of ``param`` was written: refresh the module's weight.
+
+        At stages 1-3 each rank refreshes its own slice; the others follow at the next
+        step's all-gather (stages 1-2) or are this rank's shard already (stage 3).
+        """
+        self._strategy.view.copy_masters_to_params()

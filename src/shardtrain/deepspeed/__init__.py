@@ -1,0 +1,78 @@
+"""DeepSpeed's module tree over shardtrain: the package ``import deepspeed`` gives once the
+alias is installed (``shardtrain deepspeed-alias install``).
+
+Every name is shardtrain's own object (``deepspeed.DeepSpeedEngine is shardtrain.Engine``,
+``deepspeed.zero.ZeroParamStatus is shardtrain.zero.ZeroParamStatus``), laid out by
+DeepSpeed 0.19.8's module paths so that libraries which import deepspeed themselves (the
+Hugging Face Trainer, Accelerate, Lightning) and DeepSpeed's example scripts run unchanged.
+A DeepSpeed name shardtrain does not implement fails where it is used, with the feature it
+belongs to and the alternative (:mod:`._missing`). The tree is listed in
+``docs/deepspeed_compat.md``.
+
+Without the alias the same tree is importable as ``shardtrain.deepspeed``.
+
+Example:
+    >>> import deepspeed                      # the alias: shardtrain.deepspeed
+    >>> engine, optimizer, _, scheduler = deepspeed.initialize(
+    ...     model=model, model_parameters=model.parameters(), config="ds_config.json")
+"""
+from .. import Engine as DeepSpeedEngine
+from .. import add_config_arguments, init_distributed, initialize
+from ..log import log_dist, log_dist_once, logger
+from . import accelerator, checkpoint, comm, compression, launcher, moe, ops, runtime, utils
+from ._distribution import DEEPSPEED_VERSION, alias_version
+from ._missing import unsupported_class, unsupported_function
+from .accelerator import get_accelerator
+from .runtime import zero
+from .runtime.activation_checkpointing import checkpointing
+from .runtime.base_optimizer import DeepSpeedOptimizer
+from .runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from .runtime.engine import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
+from .utils import OnDevice
+
+__version__ = alias_version()
+version = __version__
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_VERSION.split("."))
+__git_hash__ = git_hash = None
+__git_branch__ = git_branch = None
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+_PARALLEL = "ZeRO stage 3 (shards every weight) with data parallelism"
+init_inference = unsupported_function("deepspeed.init_inference", "DeepSpeed-Inference",
+                                      "run the trained module directly, or torch.compile it")
+default_inference_config = unsupported_function("deepspeed.default_inference_config",
+                                                "DeepSpeed-Inference", "run the module directly")
+tp_model_init = unsupported_function("deepspeed.tp_model_init", "automatic tensor parallelism",
+                                     _PARALLEL)
+set_autotp_mode = unsupported_function("deepspeed.set_autotp_mode", "automatic tensor parallelism",
+                                       _PARALLEL)
+replace_transformer_layer = unsupported_function("deepspeed.replace_transformer_layer",
+                                                 "kernel injection", "the model's own layers")
+PipelineModule = unsupported_class("deepspeed.PipelineModule", "pipeline parallelism", _PARALLEL)
+PipelineEngine = unsupported_class("deepspeed.PipelineEngine", "pipeline parallelism", _PARALLEL)
+InferenceEngine = unsupported_class("deepspeed.InferenceEngine", "DeepSpeed-Inference",
+                                    "run the trained module directly")
+DeepSpeedInferenceConfig = unsupported_class("deepspeed.DeepSpeedInferenceConfig",
+                                             "DeepSpeed-Inference", "run the module directly")
+DeepSpeedHybridEngine = unsupported_class("deepspeed.DeepSpeedHybridEngine",
+                                          "the hybrid engine (RLHF generation)",
+                                          "engine.module.generate()")
+DeepSpeedTransformerLayer = unsupported_class("deepspeed.DeepSpeedTransformerLayer",
+                                              "DeepSpeed's fused transformer kernels",
+                                              "the model's own layers")
+DeepSpeedTransformerConfig = unsupported_class("deepspeed.DeepSpeedTransformerConfig",
+                                               "DeepSpeed's fused transformer kernels",
+                                               "the model's own layers")
+
+__all__ = [
+    "initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
+    "DeepSpeedOptimizer", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedOptimizerCallable",
+    "DeepSpeedSchedulerCallable", "get_accelerator", "zero", "comm", "checkpointing", "ops",
+    "runtime", "utils", "accelerator", "checkpoint", "launcher", "moe", "compression", "log_dist",
+    "log_dist_once", "logger", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__",
+    "version", "git_hash", "git_branch", "init_inference", "default_inference_config",
+    "tp_model_init", "set_autotp_mode", "replace_transformer_layer", "PipelineModule",
+    "PipelineEngine", "InferenceEngine", "DeepSpeedInferenceConfig", "DeepSpeedHybridEngine",
+    "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
+]

@@ -1,0 +1,4 @@
+"""``deepspeed.accelerator.real_accelerator``: where DeepSpeed defines ``get_accelerator``."""
+from . import get_accelerator, is_current_accelerator_supported, set_accelerator
+
+__all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported"]

@@ -1,0 +1,7 @@
+"""``ds_report``: what this environment runs, as ``shardtrain info`` prints it."""
+import sys
+
+
+def main() -> int:
+    from .. import cli
+    return cli.main(["info", *sys.argv[1:]])

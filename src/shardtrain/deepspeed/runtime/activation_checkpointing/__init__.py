@@ -1,0 +1,4 @@
+"""``deepspeed.runtime.activation_checkpointing``."""
+from . import checkpointing
+
+__all__ = ["checkpointing"]
