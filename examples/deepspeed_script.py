@@ -1,17 +1,21 @@
-"""A training script written for DeepSpeed, run by shardtrain with one changed line: the import.
+"""A training script written for DeepSpeed, unchanged: shardtrain runs it through the
+``deepspeed`` alias (``shardtrain deepspeed-alias install``, which ``make test`` runs).
 
-It has the shape of DeepSpeed's tutorials: argparse with ``--local_rank`` and
-``add_config_arguments``, ``initialize(args=..., model=..., model_parameters=...)`` reading
-the ``--deepspeed_config`` JSON (an unchanged DeepSpeed config), then ``engine(x)``,
-``engine.backward(loss)``, ``engine.step()`` and ``engine.save_checkpoint``.
+It has the shape of DeepSpeed's examples: argparse with ``--local_rank`` and
+``add_config_arguments``, ``deepspeed.init_distributed()``, ``get_accelerator()`` for the
+device, the engine's getters (``get_batch_info()``, ``bfloat16_enabled()``,
+``fp16_enabled()``, ``zero_optimization()``, ``gradient_clipping()``), ``deepspeed.comm``
+for the logged loss, ``initialize(args=..., model=..., model_parameters=...)`` reading the
+``--deepspeed_config`` JSON (an unchanged DeepSpeed config), then ``engine(x)``,
+``engine.backward(loss)``, ``engine.step()``, ``engine.save_checkpoint`` and
+``engine.destroy()``. It starts as DeepSpeed scripts start:
 
-    shardtrain run --nproc 2 --local-rank-arg examples/deepspeed_script.py \\
+    deepspeed --num_gpus 2 examples/deepspeed_script.py \
         --deepspeed --deepspeed_config examples/configs/deepspeed_script.json
 
-``--local-rank-arg`` passes ``--local_rank=<n>`` to each process as DeepSpeed's launcher does
-(this script would accept its absence too). ``python examples/deepspeed_script.py
---deepspeed_config ...`` runs it on one process. With DeepSpeed installed, the original
-import and ``deepspeed --num_gpus 2 examples/deepspeed_script.py ...`` run the same script.
+``deepspeed`` is the alias's launcher (over ``shardtrain run``, torchrun); on a machine
+without GPUs ``--num_gpus`` is the number of CPU processes. ``python
+examples/deepspeed_script.py --deepspeed_config ...`` runs it on one process.
 
 The data is synthetic (a fixed random "teacher" labels Gaussian points), so the script runs
 anywhere, CPU included, and its losses are reproducible: the tests compare them, and the
@@ -24,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import shardtrain as deepspeed  # the one change: this line was `import deepspeed`
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 IN, HIDDEN, CLASSES, SAMPLES = 16, 64, 4, 64
 
@@ -69,6 +75,8 @@ def main():
     args = add_argument()
     launcher_local_rank = args.local_rank  # initialize() overwrites it with LOCAL_RANK
     deepspeed.init_distributed()
+    if args.local_rank >= 0:
+        get_accelerator().set_device(args.local_rank)
 
     net = build_model()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
@@ -79,11 +87,26 @@ def main():
     model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset)
 
-    world = deepspeed.comm.get_world_size()
+    local_device = get_accelerator().device_name(model_engine.local_rank)
+    target_dtype = None
+    if model_engine.bfloat16_enabled():
+        target_dtype = torch.bfloat16
+    elif model_engine.fp16_enabled():
+        target_dtype = torch.half
+    batch, micro, gas = model_engine.get_batch_info()
+    if model_engine.global_rank == 0:
+        print(f"batch {batch} = {micro} per rank x {gas} steps x {dist.get_world_size()} ranks, "
+              f"ZeRO {'on' if model_engine.zero_optimization() else 'off'} "
+              f"(stage {model_engine.zero_optimization_stage()}), "
+              f"clipping {model_engine.gradient_clipping()}, on {local_device}")
+
+    world = dist.get_world_size()
     losses = []
     for epoch in range(args.epochs):
         for inputs, labels in trainloader:
-            inputs, labels = inputs.to(model_engine.device), labels.to(model_engine.device)
+            inputs, labels = inputs.to(local_device), labels.to(local_device)
+            if target_dtype is not None:
+                inputs = inputs.to(target_dtype)
             outputs = model_engine(inputs)
             loss = F.cross_entropy(outputs, labels)
             model_engine.backward(loss)
@@ -91,7 +114,7 @@ def main():
 
             # The mean over ranks, for the log: DeepSpeed's all_reduce sums by default.
             mean = loss.detach().clone()
-            deepspeed.comm.all_reduce(mean)
+            dist.all_reduce(mean)
             losses.append(mean.item() / world)
         if model_engine.global_rank == 0:
             print(f"epoch {epoch}: loss {losses[-1]:.4f} lr {model_engine.get_lr()[0]:.4g}")
@@ -102,10 +125,12 @@ def main():
         with open(args.log_file, "w") as f:
             json.dump({"losses": losses, "world_size": world,
                        "global_steps": model_engine.global_steps,
+                       "batch_info": [batch, micro, gas],
                        "gradient_accumulation_steps": model_engine.gradient_accumulation_steps(),
                        "zero_stage": model_engine.zero_optimization_stage(),
                        "launcher_local_rank": launcher_local_rank,
                        "local_rank": args.local_rank}, f)
+    model_engine.destroy()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import contextlib
 import os
 import random
 import shutil
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -487,9 +488,9 @@ def error_cases(rank: int, world: int, root: Path) -> Dict[str, Any]:
 
 
 def _bad_client_state(rank: int, world: int, root: Path) -> Dict[str, Any]:
-    """Only rank 1 passes an object JSON cannot hold: every rank refuses, nothing written."""
+    """Only rank 1 passes a value that cannot be pickled: every rank refuses, nothing written."""
     engine = engine_for(world, 1)
-    bad = {"ok": 1, "obj": object()} if rank == 1 else {"ok": 1}
+    bad = {"ok": 1, "lock": threading.Lock()} if rank == 1 else {"ok": 1}
     try:
         engine.save_checkpoint(root / f"bad-client-w{world}", tag="x", client_state=bad)
         return {"type": None}

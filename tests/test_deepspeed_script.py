@@ -1,12 +1,14 @@
-"""A training script written for DeepSpeed runs unchanged after `import shardtrain as deepspeed`.
+"""A training script written like DeepSpeed's examples runs unchanged on the alias.
 
-`examples/deepspeed_script.py` (argparse with `--local_rank` and `add_config_arguments`,
+`examples/deepspeed_script.py` (`import deepspeed`, `deepspeed.comm`, `get_accelerator()`,
+argparse with `--local_rank` and `add_config_arguments`, the engine's getters,
 `initialize(args=..., model=..., model_parameters=...)` reading `--deepspeed_config`,
-`engine.backward`, `engine.step`, `save_checkpoint`) with its DeepSpeed JSON config is started
-the way DeepSpeed's launcher starts it, by `shardtrain run --nproc 2 --local-rank-arg`. Its
-losses and the weights of the checkpoint it saves must equal single-process PyTorch on the
-same global batches: DeepSpeed's "Adam" (decoupled weight decay), WarmupLR, clipping,
-gradient accumulation derived from the batch keys, ZeRO stage 2.
+`engine.backward`, `engine.step`, `save_checkpoint`, `destroy`) with its DeepSpeed JSON config
+is started as DeepSpeed's scripts are, `deepspeed --num_gpus 2 script.py --deepspeed_config
+ds.json` (the alias's launcher, over `shardtrain run`). Its losses and the weights of the
+checkpoint it saves must equal single-process PyTorch on the same global batches:
+DeepSpeed's "Adam" (decoupled weight decay), WarmupLR, clipping, gradient accumulation
+derived from the batch keys, ZeRO stage 2.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "deepspeed_script.py"
 CONFIG = ROOT / "examples" / "configs" / "deepspeed_script.json"
 SHARDTRAIN = Path(sys.executable).with_name("shardtrain")
+DEEPSPEED = Path(sys.executable).with_name("deepspeed")  # the alias's launcher
 WORLD, EPOCHS = 2, 2
 # Variables of an outer launcher must not leak into the job.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -47,8 +50,9 @@ def job_env() -> dict:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed-script")
-    assert SHARDTRAIN.exists(), f"{SHARDTRAIN} missing: pip install -e . installs the command"
-    cmd = [str(SHARDTRAIN), "run", "--nproc", str(WORLD), "--local-rank-arg", str(SCRIPT),
+    assert DEEPSPEED.exists(), (f"{DEEPSPEED} missing: `shardtrain deepspeed-alias install` "
+                                "installs the alias and its command (make test does)")
+    cmd = [str(DEEPSPEED), "--num_gpus", str(WORLD), str(SCRIPT),
            "--deepspeed", "--deepspeed_config", str(CONFIG), "--epochs", str(EPOCHS),
            "--save_dir", str(tmp / "ckpt"), "--log_file", str(tmp / "log.json")]
     returncode, out = run_job(cmd, job_env(), tmp,
@@ -90,25 +94,33 @@ def reference():
 
 
 def test_the_script_is_a_deepspeed_script():
-    """Replacing the one import gives back a script with no shardtrain name in it."""
+    """No shardtrain name in its code: it imports deepspeed, as DeepSpeed's examples do."""
     source = SCRIPT.read_text()
-    assert source.count("import shardtrain as deepspeed") == 1
-    code = [line for line in source.splitlines() if not line.lstrip().startswith("#")]
-    rest = "\n".join(code).replace("import shardtrain as deepspeed", "import deepspeed")
-    docstring_end = rest.index('"""', rest.index('"""') + 3) + 3
-    assert "shardtrain" not in rest[docstring_end:]
-    for call in ("add_config_arguments(parser)", "deepspeed.initialize(", "args=args",
-                 "model_parameters=parameters", '"--local_rank"', "model_engine.backward(loss)",
-                 "model_engine.step()", "model_engine.save_checkpoint("):
+    docstring_end = source.index('"""', source.index('"""') + 3) + 3
+    code = [line for line in source[docstring_end:].splitlines()
+            if not line.lstrip().startswith("#")]
+    assert "shardtrain" not in "\n".join(code)
+    for call in ("import deepspeed\n", "import deepspeed.comm as dist",
+                 "from deepspeed.accelerator import get_accelerator", "add_config_arguments(parser)",
+                 "deepspeed.init_distributed()", "get_accelerator().set_device(",
+                 "deepspeed.initialize(", "args=args", "model_parameters=parameters",
+                 '"--local_rank"', "model_engine.bfloat16_enabled()", "model_engine.fp16_enabled()",
+                 "model_engine.get_batch_info()", "model_engine.zero_optimization()",
+                 "model_engine.gradient_clipping()", "model_engine.backward(loss)",
+                 "model_engine.step()", "model_engine.save_checkpoint(", "model_engine.destroy()"):
         assert call in source, call
 
 
-def test_runs_under_shardtrain_run_with_the_deepspeed_arguments(job):
+def test_runs_under_the_deepspeed_launcher_with_the_deepspeed_arguments(job):
     log = job["log"]
     assert log["world_size"] == WORLD and log["zero_stage"] == 2
     config = json.loads(CONFIG.read_text())
     assert log["gradient_accumulation_steps"] == config["train_batch_size"] // (
         config["train_micro_batch_size_per_gpu"] * WORLD)
+    assert log["batch_info"] == [config["train_batch_size"],
+                                 config["train_micro_batch_size_per_gpu"],
+                                 log["gradient_accumulation_steps"]]
+    assert "ZeRO on (stage 2), clipping 1.0, on cpu" in job["out"], job["out"][-3000:]
     # --local_rank=<n> reached the script, as DeepSpeed's launcher passes it.
     assert log["launcher_local_rank"] == log["local_rank"] == 0
     # steps_per_print: 4 in the config

@@ -11,8 +11,15 @@ A checkpoint is a directory ``<save_dir>/<tag>/``:
   (``master/<name>``) and of each per-element optimizer state (``optim/<name>/<key>``);
   rank 0 also holds frozen parameters and buffers whole. Plus RNG and client tensors.
 * ``rank{r:05d}.json``: the rank's RNG states and the JSON part of its ``client_state``.
+* ``rank{r:05d}.client.pt``, only when ``client_state`` holds values JSON cannot (a trainer's
+  whole state: nested tensors, sets, ``OrderedDict``s, ...): those keys, written by
+  ``torch.save``.
 
-Nothing is unpickled on load: tensors come from safetensors, everything else from JSON.
+Tensors come from safetensors and everything else from JSON, except that client file, which
+is read with torch's restricted unpickler (``torch.load(weights_only=True)``): containers,
+numbers, strings, tensors and the types registered with
+``torch.serialization.add_safe_globals``; anything else is refused with its name, and no
+code in the file runs.
 Because every rank file holds an even, contiguous slice of each flattened parameter, loading
 on another world size or stage only means reading the byte ranges that overlap the slices a
 rank needs now. Writes are atomic: the files go to ``<tag>.tmp-<id>/``, which rank 0 renames
@@ -26,8 +33,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import mmap
+import pickle
+import re
 import os
 import random
 import shutil
@@ -378,11 +388,12 @@ class _Staged:
     rank_json: Dict[str, Any]
     meta: Optional[Dict[str, Any]] = None  # rank 0 only
     rank: int = 0
+    client_objects: Optional[bytes] = None  # the pickled part of client_state, if any
 
 
 def _stage_rank(engine: "Engine", client_state: Dict[str, Any],
                 exclude_frozen: bool) -> _Staged:
-    client_json, client_tensors = _split_client_state(client_state)
+    client_json, client_tensors, client_objects = _split_client_state(client_state)
     rank, world = comm.get_rank(), comm.get_world_size()
     trainables = _trainables(engine)
     tensors: Dict[str, torch.Tensor] = {}
@@ -399,12 +410,16 @@ def _stage_rank(engine: "Engine", client_state: Dict[str, Any],
     # (nothing changes them while the save runs: it is synchronous).
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     rank_json = {"rank": rank, "rng": rng_json,
-                 "client": {"json": client_json, "tensors": sorted(client_tensors)}}
+                 "client": {"json": client_json, "tensors": sorted(client_tensors),
+                            "objects": sorted(map(str, client_objects))}}
     meta = _describe(engine, trainables, exclude_frozen) if rank == 0 else None
-    return _Staged(cpu, rank_json, meta, rank)
+    return _Staged(cpu, rank_json, meta, rank, _pickle_client(client_objects))
 
 
-def _split_client_state(client_state: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def _split_client_state(client_state: Dict[str, Any]
+                        ) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[Any, Any]]:
+    """(JSON part, top-level tensors, everything else): a key whose value JSON cannot hold
+    (a trainer's whole state) goes to the pickled part, whole."""
     if not isinstance(client_state, dict):
         raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}.")
     for key in _RESERVED_CLIENT_KEYS:
@@ -413,8 +428,65 @@ def _split_client_state(client_state: Dict[str, Any]) -> Tuple[Dict[str, Any], D
                            "rename it.")
     tensors = {k: v for k, v in client_state.items()
                if isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() > 0}
-    rest = {k: v for k, v in client_state.items() if k not in tensors}
-    return _encode_dict(rest, "client_state"), tensors
+    as_json: Dict[str, Any] = {}
+    objects: Dict[Any, Any] = {}
+    for key, value in client_state.items():
+        if key in tensors:
+            continue
+        if isinstance(key, str) and _is_plain(value):
+            as_json.update(_encode_dict({key: value}, "client_state"))
+        else:
+            objects[key] = value
+    return as_json, tensors, objects
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether JSON gives ``value`` back as it is: exact containers (an ``OrderedDict``, a
+    ``torch.Size`` or a named tuple would come back as a plain dict or tuple), string keys,
+    numbers, strings, 0-d tensors."""
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, np.generic):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    if type(value) in (list, tuple):
+        return all(_is_plain(v) for v in value)
+    if type(value) is dict:
+        return all(isinstance(k, str) and k not in ("__tuple__", "__tensor__") and _is_plain(v)
+                   for k, v in value.items())
+    return False
+
+
+def _pickle_client(objects: Dict[Any, Any]) -> Optional[bytes]:
+    """``torch.save`` of the client values JSON cannot hold, made before any write, so a
+    value that cannot be pickled fails the save before the disk is touched."""
+    if not objects:
+        return None
+    buffer = io.BytesIO()
+    try:
+        torch.save(objects, buffer)
+    except Exception as error:  # pickle raises many kinds (TypeError, AttributeError, ...)
+        raise TypeError(f"client_state cannot be saved: {type(error).__name__}: {error}. "
+                        f"Keys {sorted(map(str, objects))} hold values JSON cannot store, so "
+                        f"they are pickled, and this one cannot be.") from None
+    return buffer.getvalue()
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _unpickle_client(path: str, data: bytes) -> Dict[Any, Any]:
+    """The pickled part of a client_state, through torch's restricted unpickler."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = _GLOBAL.search(str(error))
+        name = found.group(1) if found else "an object of a type it does not know"
+        raise _Problem(ValueError, (
+            f"{path}: client_state holds {name}, which the checkpoint loader refuses: "
+            f"unpickling an arbitrary type can run code. If you trust this checkpoint, allow "
+            f"the type before loading: torch.serialization.add_safe_globals([{name}]).")) from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise _corrupted(path, f"its client_state cannot be read: {error}") from None
 
 
 def _elementwise(value: Any, tensor: torch.Tensor) -> bool:
@@ -595,6 +667,9 @@ def _write_rank(tmp: str, staged: _Staged) -> Dict[str, Dict[str, int]]:
     infos[json_name] = _write_synced(os.path.join(tmp, json_name),
                                      json.dumps(staged.rank_json).encode())
     _fault("after_file")
+    if staged.client_objects is not None:
+        name = _rank_file(staged.rank, "client.pt")
+        infos[name] = _write_synced(os.path.join(tmp, name), staged.client_objects)
     return infos
 
 
@@ -1085,6 +1160,11 @@ def _read_rank_files(meta: Dict[str, Any], reader: _Reader, loaded: _Loaded) -> 
     loaded.client = _decode(rank_json["client"]["json"])
     loaded.client.update({k[len("client/"):]: loaded.rank_tensors[k] for k in keys
                           if k.startswith("client/")})
+    if rank_json["client"].get("objects"):
+        name = _rank_file(source, "client.pt")
+        reader.verify(name)
+        with open(reader.path(name), "rb") as f:
+            loaded.client.update(_unpickle_client(reader.path(name), f.read()))
 
 
 # -- applying (no reads, no collectives: every rank has already agreed it can) ---------------

@@ -592,8 +592,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Args:
             save_dir: the directory holding the tags (created if needed).
             tag: default ``global_step<global_steps>``.
-            client_state: your own values, returned by :meth:`load_checkpoint`; JSON values
-                and tensors (anything else is refused with a TypeError, before any write).
+            client_state: your own values, returned by :meth:`load_checkpoint`: JSON values
+                and tensors are stored as such; other values (a trainer's whole state) are
+                pickled, and loaded back with torch's restricted unpickler (a type it does
+                not know is refused with its name: allow it with
+                ``torch.serialization.add_safe_globals``). A value that cannot be pickled
+                is refused with a TypeError, before any write.
             save_latest: point ``<save_dir>/latest`` at this tag.
             exclude_frozen_parameters: leave out parameters with ``requires_grad=False``.
 
