@@ -313,13 +313,11 @@ PLANNED_CASES = {
     "zero_optimization.ignore_unused_parameters": False,
     "zero_optimization.legacy_stage1": True,
     "zero_optimization.parameter_alignment": True,
-    "zero_optimization.memory_efficient_linear": False,
     "zero_optimization.pipeline_loading_checkpoint": True,
     "zero_optimization.override_module_apply": False,
     "zero_optimization.log_trace_cache_warnings": True,
     "zero_optimization.enable_sanity_checks": True,
     "zero_optimization.save_muon_momentum_buffer_in_memory": True,
-    "bf16.immediate_grad_update": True,
     "torch_autocast.lower_precision_safe_modules": ["torch.nn.Linear"],
     "disable_allgather": True,
     "dump_state": True,
@@ -334,7 +332,6 @@ PLANNED_CASES = {
     "comet.enabled": True,
     "comms_logger.enabled": True,
     "checkpoint.load_universal": True,
-    "checkpoint.use_node_local_storage": True,
     "checkpoint.parallel_write.pipeline_stage": True,
     "checkpoint.writer": {"type": "fast"},
     "optimizer.legacy_fusion": True,
@@ -366,6 +363,27 @@ def with_context(dotted: str, value: Any) -> Dict[str, Any]:
     if dotted == "zero_optimization.offload_optimizer.ratio":
         block["zero_optimization"]["stage"] = 3  # ratio < 1 is only valid at stage 3
     return block
+
+
+def test_values_clients_write_are_accepted_where_they_change_nothing():
+    """The Transformers guide's memory_efficient_linear false, the Trainer's
+    use_node_local_storage on one machine, bf16.immediate_grad_update: accepted, and the
+    ones that depend on the run say why they change nothing."""
+    cfg = load({"zero_optimization": {"stage": 3, "memory_efficient_linear": False},
+                "bf16": {"enabled": True, "immediate_grad_update": True},
+                "checkpoint": {"use_node_local_storage": True}, "zero_force_ds_cpu_optimizer": False})
+    assert cfg.checkpoint.use_node_local_storage and not cfg.zero_optimization.memory_efficient_linear
+    notes = config_module.situational_notes(cfg, nodes=1)
+    assert notes == ["checkpoint.use_node_local_storage has no effect on one machine: every rank "
+                     "writes to the same directory."]
+    with pytest.raises(ConfigError, match="spans 2 machines.*storage every node sees"):
+        config_module.situational_notes(cfg, nodes=2)
+    offload = load({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"},
+                                          "offload_optimizer": {"device": "cpu"}}})
+    notes = config_module.situational_notes(offload, nodes=1)
+    assert len(notes) == 1 and "offload_param has no effect at ZeRO stage 1" in notes[0]
+    zero0 = load({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert "offload_optimizer has no effect at ZeRO stage 0" in config_module.situational_notes(zero0, 1)[0]
 
 
 def test_every_planned_key_has_a_case():

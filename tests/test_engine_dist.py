@@ -295,15 +295,19 @@ def test_model_state_memory_follows_the_zero_formula(run, mode):
 def test_offload_matches_reference(run):
     world, stage = run[0], run[2]
     got = result(run, "offload")
-    if stage == 0:
-        assert "needs ZeRO stage 1, 2 or 3" in got["refused"]
-        return
+    if stage == 0:  # accepted with a warning on rank 0, and training is unchanged
+        assert any("offload_optimizer has no effect at ZeRO stage 0" in w for w in got["warnings"])
+        assert any("offload_param has no effect at ZeRO stage 0" in w for w in got["warnings"])
+        for rank in range(1, world):  # rank 0 only prints
+            assert not any("no effect" in w for w in result(run, "offload", rank)["warnings"])
     ref = ce.reference(ce.make_model(), ce.make_data(3, 2, world, 3), ce.adamw, clip=1.0)
     for rank in range(world):
         fp32 = result(run, "offload", rank)["fp32"]
         torch.testing.assert_close(fp32["losses"], ref["losses"][:, :, rank], atol=1e-5,
                                    rtol=1e-5)
     assert_close_params(got["fp32"]["params"], ref["params"])
+    if stage == 0:
+        return
     assert_close_params(got["bf16"]["params"], ref["params"], atol=3e-2, rtol=3e-2)
     assert got["fp32"]["host_states"] and got["bf16"]["host_states"]
     assert set(got["fp32"]["foreach"]) == {True}  # a vectorised step on the host

@@ -61,7 +61,7 @@ def _collect_info() -> Dict[str, Any]:
             "packages": _package_versions(),
             "backends": comm.available_backends(), "accelerator": _accelerator(),
             "devices": accelerator.device_inventory(),
-            "host": _host(), "launcher": _launcher()}
+            "host": _host(), "launcher": _launcher(), "deepspeed": _deepspeed()}
 
 
 def _package_versions() -> Dict[str, Optional[str]]:
@@ -72,6 +72,12 @@ def _package_versions() -> Dict[str, Optional[str]]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def _deepspeed() -> str:
+    """Which ``deepspeed`` an import gives (the alias, DeepSpeed itself, none) and the undo."""
+    from .deepspeed._distribution import status_line  # the compatibility tree, only here
+    return status_line()
 
 
 def _accelerator() -> Dict[str, Any]:
@@ -116,6 +122,7 @@ def _info_text(r: Dict[str, Any]) -> str:
         f"torch        {r['torch']} (CUDA build: {r['cuda_build'] or 'none'}"
         + (f", NCCL {r['nccl_version']})" if r["nccl_version"] else ")"),
         f"packages     {packages}",
+        f"deepspeed    {r['deepspeed']}",
         f"backends     {backends}",
         f"computes on  {compute}",
         f"host         {host['hostname']}: {host['cpus']} CPUs{memory}",

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
-    "get_local_rank", "barrier", "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
+    "get_local_rank", "get_local_world_size", "barrier", "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
     "broadcast_object", "Work", "add_observer", "remove_observer",
 ]
 
@@ -194,6 +194,16 @@ def get_world_size() -> int:
 
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", detect_launch_env().local_rank))
+
+
+def get_local_world_size() -> int:
+    """Processes on this machine: torchrun's LOCAL_WORLD_SIZE (SLURM's and OpenMPI's too),
+    else the whole world."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = _env_int(name)
+        if value:
+            return value
+    return get_world_size()
 
 
 def get_backend() -> Optional[str]:

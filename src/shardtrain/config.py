@@ -53,6 +53,7 @@ from typing_extensions import Annotated
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "situational_notes",
     "ConfigError",
     "IMPLEMENTED_ZERO_STAGES",
     "PLANNED",
@@ -114,7 +115,6 @@ PLANNED: Dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradient reduction",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical weight partitioning (hpZ)",
     "zero_optimization.zenflow": "ZenFlow",
-    "bf16.immediate_grad_update": "immediate fp32 gradient accumulation",
     "torch_autocast.lower_precision_safe_modules": "per-module autocast gradient precision",
     "disable_allgather": "disabling the ZeRO all-gather",
     "dump_state": "printing the engine state at start-up",
@@ -129,7 +129,6 @@ PLANNED: Dict[str, str] = {
     "comet.enabled": "the Comet monitor",
     "comms_logger.enabled": "the communication logger",
     "checkpoint.load_universal": "universal checkpoints",
-    "checkpoint.use_node_local_storage": "node-local checkpoint storage",
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
     "checkpoint.writer": "the fast/decoupled checkpoint writers",
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer path",
@@ -159,7 +158,6 @@ STAGE_TUNING_KEYS: Dict[str, str] = {
     "zero_optimization.ignore_unused_parameters": "refusing unused parameters (they are always allowed)",
     "zero_optimization.legacy_stage1": "the legacy stage-1 implementation",
     "zero_optimization.parameter_alignment": "aligned ZeRO partitions",
-    "zero_optimization.memory_efficient_linear": "ZeRO-3 memory-efficient linear",
     "zero_optimization.pipeline_loading_checkpoint": "ZeRO-3 pipelined checkpoint loading",
     "zero_optimization.override_module_apply": "ZeRO-3 module.apply override",
     "zero_optimization.log_trace_cache_warnings": "ZeRO-3 trace-cache warnings",
@@ -178,6 +176,19 @@ _ALSO_DISABLED: Dict[str, Tuple[Any, ...]] = {
 #: Keys shardtrain accepts but does not need, because it never imposes the restriction.
 NO_EFFECT: Dict[str, str] = {
     "zero_allow_untested_optimizer": "shardtrain allows any torch optimizer",
+    "zero_force_ds_cpu_optimizer":
+        "shardtrain's offload steps any torch optimizer on the host copies, so none is refused",
+    "zero_optimization.memory_efficient_linear":
+        "asks DeepSpeed to swap in a linear that saves its input, not the gathered weight; "
+        "shardtrain keeps torch's linear, whose saved weight shares the gathered storage that "
+        "stage 3 frees after forward (false, as the Transformers guide sets it, asks for that)",
+    "bf16.immediate_grad_update":
+        "times the copy of gradients into DeepSpeed's fp32 accumulation buffers; shardtrain "
+        "accumulates in the model dtype (data_types.grad_accum_dtype is planned), with no such "
+        "copy to move",
+    "checkpoint.use_node_local_storage":
+        "on one machine every rank sees the same directory; on several machines true is "
+        "refused at start-up (put save_dir on storage every node sees)",
     "activation_checkpointing.partition_activations":
         "shards saved inputs across model-parallel ranks; shardtrain has no model parallelism",
     "activation_checkpointing.contiguous_memory_optimization":
@@ -1338,6 +1349,30 @@ def _check_combinations(cfg: ShardConfig) -> None:
         if param_dtype != mode:
             raise ConfigError(f"data_types.param_dtype {_show(param_dtype)} does not match the precision mode "
                               f"({_show(mode)}); remove it or make it {_show(mode)}.")
+
+
+def situational_notes(cfg: ShardConfig, nodes: int) -> List[str]:
+    """Keys that are valid but change nothing in this configuration, as DeepSpeed accepts
+    them: one warning line each, saying why. Raises ConfigError for the combinations that
+    cannot work here (node-local checkpoints across machines)."""
+    zero, notes = cfg.zero_optimization, []
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none" and zero.stage == 0:
+        notes.append("zero_optimization.offload_optimizer has no effect at ZeRO stage 0: there are no "
+                     "sharded optimizer states to move to host memory (DeepSpeed ignores it too); set "
+                     "zero_optimization.stage to 1, 2 or 3 to offload them.")
+    if zero.offload_param is not None and zero.offload_param.device != "none" and zero.stage != 3:
+        notes.append(f"zero_optimization.offload_param has no effect at ZeRO stage {zero.stage}: "
+                     "parameters are partitioned only at stage 3 (DeepSpeed ignores it too); use "
+                     "offload_optimizer at stages 1-2, or stage 3.")
+    if cfg.checkpoint.use_node_local_storage:
+        if nodes > 1:
+            raise ConfigError(f"checkpoint.use_node_local_storage is true and the job spans {nodes} "
+                              "machines: shardtrain writes one checkpoint directory that every rank "
+                              "reads on load; put save_dir on storage every node sees and set it to "
+                              "false.")
+        notes.append("checkpoint.use_node_local_storage has no effect on one machine: every rank "
+                     "writes to the same directory.")
+    return notes
 
 
 def _check_planned(cfg: ShardConfig) -> None:

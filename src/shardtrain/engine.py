@@ -7,6 +7,7 @@ policy's, and the optimizer and schedule come from ``optim``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -18,7 +19,7 @@ from torch.utils import _pytree as pytree
 from . import accelerator, checkpointing, comm
 from . import checkpoint as _ckpt
 from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
-from .config import ShardConfig
+from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
 from .memory import count_bytes, write_weights
@@ -141,7 +142,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                 cfg.comm_dtype())
         common = (trainable, int(zero.reduce_bucket_size), bool(zero.overlap_comm), reduce,
                   self._should_reduce)
-        _check_offload(zero)
         if zero.stage == 0:
             return DataParallel(*common)
         sharded = (int(zero.allgather_bucket_size), self.world_size, self.global_rank,
@@ -647,23 +647,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                      load_module_only)
 
 
-def _check_offload(zero) -> None:
-    """Offload combinations DeepSpeed supports: optimizer offload at stages 1-3, parameter
-    offload at stage 3."""
-    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none" \
-            and zero.stage == 0:
-        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 "
-                         "(stage is 0): set zero_optimization.stage, or remove the offload.")
-    if zero.offload_param is not None and zero.offload_param.device != "none" \
-            and zero.stage != 3:
-        raise ValueError(f"zero_optimization.offload_param needs ZeRO stage 3 (stage is "
-                         f"{zero.stage}): parameters are only partitioned at stage 3; use "
-                         "offload_optimizer at stages 1-2.")
-
-
 def _apply_logging_keys(config: ShardConfig) -> None:
     if config.log_level:
         logger.setLevel(config.log_level)
+    world, local = comm.get_world_size(), comm.get_local_world_size()
+    for note in situational_notes(config, nodes=-(-world // max(local, 1))):
+        log_dist(note, ranks=[0], level=logging.WARNING)
     if config.vocabulary_size is not None and config.vocabulary_size % 8:
         log_dist_once(f"vocabulary_size {config.vocabulary_size} is not a multiple of 8: "
                       "padding it to one makes matrix products faster on tensor cores.")

@@ -25,7 +25,7 @@ import importlib.util
 import sys
 from typing import Optional
 
-from ._missing import missing_module_message
+from ._missing import is_listed_missing, missing_module_message
 
 _TARGET = "shardtrain.deepspeed"
 #: top-level names that DeepSpeed defines as attributes of other modules' objects
@@ -63,6 +63,14 @@ class _Finder(importlib.abc.MetaPathFinder):
         self.alias = alias
 
     def find_spec(self, fullname: str, path=None, target=None):
+        if fullname.startswith(_TARGET + "."):
+            # ``from deepspeed.utils import groups`` looks for shardtrain.deepspeed.utils.groups
+            # (the package's real name): a module listed as missing is refused with its reason
+            # under the name the user wrote.
+            alias_name = self.alias + fullname[len(_TARGET):]
+            if is_listed_missing(alias_name) and not _exists_on_disk(fullname):
+                return importlib.machinery.ModuleSpec(fullname, _Refusal(alias_name))
+            return None
         if not fullname.startswith(self.alias + "."):
             return None
         rest = fullname[len(self.alias) + 1:]
@@ -81,6 +89,13 @@ def _exists(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
+
+
+def _exists_on_disk(name: str) -> bool:
+    """Whether the path-based finders have the module (this finder left out)."""
+    parent = sys.modules.get(name.rpartition(".")[0])
+    paths = getattr(parent, "__path__", None)
+    return paths is not None and importlib.machinery.PathFinder.find_spec(name, paths) is not None
 
 
 def _is_package(name: str) -> bool:

@@ -56,6 +56,11 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
 }
 
 
+def is_listed_missing(name: str) -> bool:
+    """Whether ``deepspeed.X`` is a module of :data:`MISSING_MODULES` (or below one)."""
+    return any(name == p or name.startswith(p + ".") for p in MISSING_MODULES)
+
+
 def _lookup(name: str) -> Tuple[str, str]:
     for prefix in sorted(MISSING_MODULES, key=len, reverse=True):
         if name == prefix or name.startswith(prefix + "."):

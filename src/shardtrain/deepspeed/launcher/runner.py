@@ -51,6 +51,9 @@ _REFUSED = {
 }
 
 
+_REFUSED_WITH_VALUE = ("autotuning", "enable_each_rank_log")
+
+
 class LauncherError(Exception):
     """A launcher option this command cannot honour, or a bad host selection."""
 
@@ -86,7 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bind_core_list", default=None, help=argparse.SUPPRESS)
     for flag in _REFUSED:
-        p.add_argument(f"--{flag}", action="store_true", help=argparse.SUPPRESS)
+        if flag in _REFUSED_WITH_VALUE:  # DeepSpeed's take a value: --autotuning run
+            p.add_argument(f"--{flag}", default=None, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(f"--{flag}", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("user_script", help="the training script (or module, with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, unchanged")
     return p
@@ -168,7 +174,7 @@ def _is_local(host: str) -> bool:
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
     for flag, instead in _REFUSED.items():
-        if getattr(args, flag):
+        if getattr(args, flag) not in (None, False, "None"):
             raise LauncherError(f"--{flag} is not supported by shardtrain's launcher; instead: "
                                 f"{instead}")
     if args.launcher.lower() != "pdsh":
