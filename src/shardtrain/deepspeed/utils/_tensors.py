@@ -99,6 +99,9 @@ def _set_full(param, value: torch.Tensor, kind: str, key: Optional[str] = None) 
     if flat.numel() != slot.numel:
         raise ValueError(f"the value has {flat.numel()} elements, the parameter {slot.numel}.")
     _write_local(engine, slot, kind, flat[slot.lo:slot.hi].to(engine.device), key)
+    if kind == "param" and not hasattr(param, "ds_id"):
+        with torch.no_grad():  # a whole module weight on every rank: all of it, not one slice
+            param.data.copy_(flat.view_as(param).to(param.device, param.dtype))
 
 
 def _get_local(param, kind: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
