@@ -429,10 +429,48 @@ def _additions_markdown() -> str:
     return "\n".join(lines)
 
 
+def module_tree() -> List[Tuple[str, str, List[str]]]:
+    """(``deepspeed.<path>``, its docstring's first line, its public names) for every public
+    module of ``shardtrain.deepspeed``, the tree ``import deepspeed`` gives with the alias."""
+    import importlib
+    import pkgutil
+    root = shardtrain.deepspeed
+    out = [("deepspeed", _first_sentence(root.__doc__), list(root.__all__))]
+    for info in sorted(pkgutil.walk_packages(root.__path__, "shardtrain.deepspeed."),
+                       key=lambda i: i.name):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        module = importlib.import_module(info.name)
+        names = [n for n in getattr(module, "__all__", [])
+                 if not isinstance(getattr(module, n, None), type(root))]
+        out.append(("deepspeed" + info.name[len("shardtrain.deepspeed"):],
+                    _first_sentence(module.__doc__ or ""), names))
+    return out
+
+
+def _first_sentence(doc: str) -> str:
+    """A module docstring's first sentence, without a leading ```deepspeed.x``:`` and with
+    reST's double backquotes made single."""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    text = re.sub(r"^``[\w.]+``(?: \(``[\w.]+``\))?:\s*", "", text).replace("``", "`")
+    text = re.sub(r":(?:mod|class|func):`\.?([^`]+)`", r"`\1`", text)
+    end = re.search(r"\.(\s|$)", text)
+    text = text[: end.start() + 1] if end else text
+    return text[:1].upper() + text[1:]
+
+
+def _tree_markdown() -> str:
+    lines = ["| module | what it is | names |", "|---|---|---|"]
+    for name, doc, names in module_tree():
+        shown = ", ".join(f"`{n}`" for n in names) if names else ""
+        lines.append(f"| `{name}` | {_cell(doc)} | {_cell(shown)} |")
+    return "\n".join(lines)
+
+
 def sections() -> Dict[str, str]:
     """The generated blocks of the doc, by marker name."""
     return {"config": _config_markdown(config_rows()), "other-keys": _config_markdown(other_rows()),
-            "api": _api_markdown(), "additions": _additions_markdown()}
+            "tree": _tree_markdown(), "api": _api_markdown(), "additions": _additions_markdown()}
 
 
 _BLOCK = re.compile(r"(?P<begin><!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n)(?:.*?\n)?"

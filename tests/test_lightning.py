@@ -29,6 +29,17 @@ import lightning_job as lj  # noqa: E402
 STAGES = (2, 3)
 
 
+@pytest.fixture(autouse=True)
+def keep_the_log_level():
+    """Lightning's DeepSpeedStrategy sets deepspeed.utils.logging.logger (shardtrain's logger)
+    to WARNING when it is built, as it quiets DeepSpeed; the other tests read INFO lines."""
+    import logging
+    logger = logging.getLogger("shardtrain")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
 def test_lightning_finds_the_alias_and_accepts_its_version():
     cl.require_alias()
     from lightning.fabric.strategies.deepspeed import (_DEEPSPEED_AVAILABLE,

@@ -1,4 +1,4 @@
-"""``deepspeed.checkpoint.utils``."""
+"""``deepspeed.checkpoint.utils``: copying tensors so that ``torch.save`` writes only their own elements."""
 from __future__ import annotations
 
 from typing import Any
