@@ -9,11 +9,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The deepspeed alias (for the Lightning test), built here and installed beside the wheels.
+python3 -c "from shardtrain.deepspeed._distribution import build_wheel; print(build_wheel('/tmp'))" \
+  | xargs python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+  && export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 python3 - <<'PY'
 import importlib
-for name in ("pydantic", "safetensors", "pytest", "transformers"):
+for name in ("pydantic", "safetensors", "pytest", "transformers", "lightning", "deepspeed"):
     try:
         print(name, importlib.import_module(name).__version__)
     except ImportError:
