@@ -557,8 +557,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def __getattr__(self, name: str) -> Any:
-        """Attributes the engine lacks come from the module (``engine.config`` aside), as
-        DeepSpeed's engine does: ``engine.gradient_checkpointing_enable()``."""
+        """Attributes the engine lacks come from the module, as DeepSpeed's engine does:
+        ``engine.gradient_checkpointing_enable()`` reaches a Transformers model."""
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules
         except AttributeError:
