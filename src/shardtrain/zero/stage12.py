@@ -117,7 +117,9 @@ class ZeroStage1(DataParallel):
             if hi > lo:
                 view.view(-1)[lo:hi].copy_(layout.own(out, i))
             p.grad = None
-        self._global_flags[id(bucket)] = (out[layout.params_width:], all(bucket.used))
+        # A copy of the summed flags only: a view would keep the whole reduce-scatter output
+        # (a shard-sized gradient) alive until the step ends, beyond the ZeRO-1 formula.
+        self._global_flags[id(bucket)] = (out[layout.params_width:].clone(), all(bucket.used))
 
     def _reduced_slices(self) -> List[Optional[torch.Tensor]]:
         grads = []
