@@ -213,9 +213,13 @@ def _read_hostfile(path: Path) -> List[_Host]:
     return hosts
 
 
+def _local_names() -> set:
+    """The names this host answers to in a hostfile."""
+    return {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+
+
 def _this_host_rank(hosts: List[_Host], path: Path) -> int:
-    names = {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
-    mine = [rank for rank, host in enumerate(hosts) if host.name in names]
+    mine = [rank for rank, host in enumerate(hosts) if host.name in _local_names()]
     if len(mine) != 1:
         raise _UsageError(f"this host ({socket.gethostname()}) is not in {path}; pass "
                           f"--node-rank R, or --dry-run to print every node's command")

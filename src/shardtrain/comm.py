@@ -16,6 +16,7 @@ import atexit
 import datetime
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -200,9 +201,11 @@ def get_local_world_size() -> int:
     """Processes on this machine: torchrun's LOCAL_WORLD_SIZE (SLURM's and OpenMPI's too),
     else the whole world."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = _env_int(name)
-        if value:
-            return value
+        # SLURM writes "4" or, for uneven nodes, "4(x2),3": the first node's count is enough
+        # to tell one machine from several.
+        digits = re.match(r"\d+", os.environ.get(name, ""))
+        if digits and int(digits.group()):
+            return int(digits.group())
     return get_world_size()
 
 

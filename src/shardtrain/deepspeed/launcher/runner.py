@@ -27,9 +27,12 @@ import os
 import socket
 import sys
 from collections import OrderedDict
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ... import accelerator as _acc
+from ..._cli_common import _UsageError
+from ..._cli_run import _local_names, _read_hostfile
 
 __all__ = ["main", "translate", "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS",
            "parse_resource_filter", "fetch_hostfile"]
@@ -99,25 +102,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def fetch_hostfile(path: str) -> Optional["OrderedDict[str, int]"]:
-    """``{host: slots}`` from a hostfile, or None when the file does not exist."""
+    """``{host: slots}`` from a hostfile (``shardtrain run``'s reader), or None when the file
+    does not exist."""
     if not os.path.isfile(path):
         return None
-    pool: "OrderedDict[str, int]" = OrderedDict()
-    with open(path) as f:
-        for number, raw in enumerate(f, 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2 or not parts[1].startswith("slots=") or \
-                    not parts[1][6:].isdigit() or int(parts[1][6:]) < 1:
-                raise LauncherError(f"{path}:{number}: expected 'HOST slots=N', got {line!r}")
-            if parts[0] in pool:
-                raise LauncherError(f"{path}:{number}: host {parts[0]!r} is listed twice")
-            pool[parts[0]] = int(parts[1][6:])
-    if not pool:
-        raise LauncherError(f"hostfile {path} lists no hosts ('HOST slots=N' lines)")
-    return pool
+    try:
+        hosts = _read_hostfile(Path(path))
+    except _UsageError as err:
+        raise LauncherError(str(err)) from None
+    return OrderedDict((h.name, h.slots) for h in hosts)
 
 
 def _node_specs(text: str) -> Dict[str, List[int]]:
@@ -168,8 +161,7 @@ def _local_pool(num_gpus: int) -> "OrderedDict[str, List[int]]":
 
 
 def _is_local(host: str) -> bool:
-    return host in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn(),
-                    socket.gethostname().split(".")[0])
+    return host in ("localhost", "127.0.0.1") or host in _local_names()
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
