@@ -53,6 +53,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import comm
+from ._fileio import atomic_path, fsync_dir, write_synced
 from .log import logger
 from .zero._params import GatheredParameters, is_partitioned
 from .zero._shards import shard_range
@@ -664,25 +665,13 @@ def _write_rank(tmp: str, staged: _Staged) -> Dict[str, Dict[str, int]]:
     infos = {tensors_name: _write_safetensors(os.path.join(tmp, tensors_name), staged.tensors)}
     _fault("after_file")
     json_name = _rank_file(staged.rank, "json")
-    infos[json_name] = _write_synced(os.path.join(tmp, json_name),
+    infos[json_name] = write_synced(os.path.join(tmp, json_name),
                                      json.dumps(staged.rank_json).encode())
     _fault("after_file")
     if staged.client_objects is not None:
         name = _rank_file(staged.rank, "client.pt")
-        infos[name] = _write_synced(os.path.join(tmp, name), staged.client_objects)
+        infos[name] = write_synced(os.path.join(tmp, name), staged.client_objects)
     return infos
-
-
-def _write_synced(path: str, *blobs) -> Dict[str, int]:
-    """Writes the buffers one after the other, fsyncs; returns the size and CRC32."""
-    crc, size = 0, 0
-    with open(path, "wb") as f:
-        for blob in blobs:
-            f.write(blob)
-            crc, size = zlib.crc32(blob, crc), size + len(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": size, "crc32": crc}
 
 
 def _write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
@@ -702,25 +691,13 @@ def _write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     views = [_raw_bytes(tensors[name]) for name in names]
-    return _write_synced(path, struct.pack("<Q", len(head)), head, *views)
+    return write_synced(path, struct.pack("<Q", len(head)), head, *views)
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     # Little-endian bytes, as the format wants (every platform torch supports is).
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
-
-
-def _fsync_dir(path: str) -> None:
-    # Makes renames and new entries durable. Some platforms cannot open a directory.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fault(point: str) -> None:
@@ -737,8 +714,8 @@ def _publish(save_dir: str, tag: str, token: str, meta: Dict[str, Any],
     the tag visible, then ``latest``. A kill at any point leaves a loadable checkpoint."""
     tmp = os.path.join(save_dir, f"{tag}{_TMP}{token}")
     meta = dict(meta, tag=tag, files=files)
-    _write_synced(os.path.join(tmp, _META), json.dumps(meta, indent=1).encode())
-    _fsync_dir(tmp)
+    write_synced(os.path.join(tmp, _META), json.dumps(meta, indent=1).encode())
+    fsync_dir(tmp)
     _fault("before_rename")
     final = os.path.join(save_dir, tag)
     replaced = os.path.join(save_dir, f"{tag}{_REPLACED}{token}")
@@ -746,14 +723,12 @@ def _publish(save_dir: str, tag: str, token: str, meta: Dict[str, Any],
         os.rename(final, replaced)
         _fault("between_renames")
     os.rename(tmp, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     shutil.rmtree(replaced, ignore_errors=True)
     _fault("before_latest")
     if save_latest:
-        latest_tmp = os.path.join(save_dir, f"{_LATEST}{_TMP}{token}")
-        _write_synced(latest_tmp, tag.encode())  # no newline: DeepSpeed's convention
-        os.replace(latest_tmp, os.path.join(save_dir, _LATEST))
-        _fsync_dir(save_dir)
+        with atomic_path(os.path.join(save_dir, _LATEST)) as latest_tmp:
+            write_synced(latest_tmp, tag.encode())  # no newline: DeepSpeed's convention
 
 
 # =============================================================================================
@@ -1302,13 +1277,8 @@ def consolidate(checkpoint_dir: str, out_path: str, tag: Optional[str] = None,
     """
     weights = full_weights(checkpoint_dir, tag, dtype)
     out_path = os.fspath(out_path)
-    tmp = f"{out_path}{_TMP}{uuid.uuid4().hex[:12]}"
-    try:
+    with atomic_path(out_path) as tmp:
         _write_safetensors(tmp, weights, metadata={"format": "pt"})
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return out_path
 
 

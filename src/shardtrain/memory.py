@@ -9,6 +9,8 @@ from typing import Dict, Iterable
 
 import torch
 
+from ._fileio import atomic_path
+
 __all__ = ["count_bytes", "zero_formula_bytes", "write_weights"]
 
 
@@ -48,19 +50,13 @@ def zero_formula_bytes(num_params: int, world_size: int, stage: int, param_bytes
 def write_weights(state: Dict[str, torch.Tensor], path: str) -> None:
     """Writes a flat state dict atomically: safetensors for ``*.safetensors``, else
     ``torch.save``. A temporary file is renamed into place, so a crash leaves no half file."""
-    import os
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
-        save_file(_untie(tensors), tmp)
-    else:
-        torch.save(tensors, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import save_file
+            save_file(_untie(tensors), tmp)
+        else:
+            torch.save(tensors, tmp)
 
 
 def _untie(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import accelerator
+from ._fileio import atomic_path
 
 __all__ = [
     "SavedTensorMeter", "ActivationMemory", "measure_activation_memory", "Timers",
@@ -706,13 +707,9 @@ class TuningProbe:
 
 def write_json(path: str, data: Dict[str, Any]) -> None:
     """Writes ``data`` atomically (a reader never sees half a file)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
-    os.replace(tmp, path)
 
 
 def memory_budget_from_env() -> Optional[int]:
