@@ -1,10 +1,10 @@
-# Developer entry points: `make test`, `make demo`, `make bench`.
+# Developer entry points: `make test`, `make test-unit`, `make demo`, `make bench`.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-cuda bench clean
+.PHONY: venv demo test test-unit test-cuda bench clean
 
 # Create .venv if missing; (re)install only when the dependency files change.
 venv: $(STAMP)
@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml requirements-dev.txt src/shardtrain/deepspeed/_distribu
 demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_gpt.py --config examples/configs/demo.json
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+# The unit lane first (seconds), then the rest of the suite: real processes over gloo.
+test: $(STAMP) test-unit
+	$(PY) -m pytest -q tests --ignore=tests/unit
+
+# The unit lane: the building blocks in one process, without a process group.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 # Stage 0 vs torch DDP (about 3-5 minutes on 2 cores), then ZeRO 1-3 vs torch FSDP2 (1-3 min).
 bench: $(STAMP)
