@@ -46,7 +46,7 @@ class CheckpointedGPT:
 
     @staticmethod
     def forward(model, idx, targets):
-        from shardtrain.checkpointing import checkpoint
+        from shardtrain.activation_checkpointing import checkpoint
         pos = torch.arange(idx.size(1), device=idx.device)
         x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
         for block in model.blocks:

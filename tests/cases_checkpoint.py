@@ -302,9 +302,9 @@ def resume(rank: int, world: int, path: Path, stage: int, precision: str = "fp32
 def widest_weight_reads() -> Iterator[Dict[str, int]]:
     """Records, per parameter name, the most elements of its weights (module copy or master)
     one read of the checkpoint asked for."""
-    from shardtrain import checkpoint as ckpt
+    from shardtrain.checkpoint import _reading
     widest: Dict[str, int] = {}
-    original = ckpt._Reader.read
+    original = _reading.Reader.read
 
     def read(self, key, entry, lo, hi, dtype=None):
         kind, _, name = key.partition("/")
@@ -312,11 +312,11 @@ def widest_weight_reads() -> Iterator[Dict[str, int]]:
             widest[name] = max(widest.get(name, 0), hi - lo)
         return original(self, key, entry, lo, hi, dtype)
 
-    ckpt._Reader.read = read
+    _reading.Reader.read = read
     try:
         yield widest
     finally:
-        ckpt._Reader.read = original
+        _reading.Reader.read = original
 
 
 def resume_draws(rank: int, world: int, root: Path, saved_world: int) -> Dict[str, Any]:

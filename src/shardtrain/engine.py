@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import torch
 from torch.utils import _pytree as pytree
 
-from . import accelerator, checkpointing, comm
+from . import accelerator, activation_checkpointing as checkpointing, comm
 from . import checkpoint as _ckpt
 from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
 from .config import ShardConfig, situational_notes

@@ -1,0 +1,110 @@
+"""meta.json: the description of a checkpoint that every reader starts from.
+
+Rank 0 writes it, last, from what it sees of the engine: everything but the tensors (format,
+world size, stage, precision, config, counters, the optimizer's hyperparameters and scalar
+states, the scheduler, the loss scaler, the data position), and for every tensor its shape,
+dtype and the pieces of its flattened elements each rank file holds. Rank 0 holds a non-empty
+slice of every parameter, so it sees every parameter's scalar optimizer states (Adam's
+``step``). The sizes and CRC32s of the other files are added once every rank has written them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import comm
+from ..zero._shards import shard_range
+from . import _engine_state as engine_state
+from ._engine_state import Trainable
+from ._format import FORMAT, FORMAT_VERSION, Piece, dtype_name, encode
+
+if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
+    from ..engine import Engine
+
+__all__ = ["describe", "elementwise"]
+
+
+def elementwise(value: Any, tensor: torch.Tensor) -> bool:
+    """An optimizer state stored per element of the slice (Adam's moments, momentum)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == tensor.shape
+
+
+def describe(engine: "Engine", trainables: Dict[str, Trainable],
+             exclude_frozen: bool) -> Dict[str, Any]:
+    """meta.json without the tag and the files' sizes and CRC32s (rank 0 adds them last)."""
+    world = comm.get_world_size()
+    params, excluded = _params_meta(engine, trainables, exclude_frozen, world)
+    buffers = {n: _tensor_meta(b, [(0, 0, b.numel())] if b.numel() else [])
+               for n, b in engine_state.named_buffers(engine)}
+    return {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world,
+            "zero_stage": engine_state.zero_stage(engine),
+            "precision": engine_state.precision(engine), "config": engine_state.config_dict(engine),
+            "counters": engine_state.counters(engine), "params": params, "buffers": buffers,
+            "aliases": engine_state.aliases(engine), "excluded_frozen": excluded,
+            "optimizer": _optimizer_meta(engine), "lr_scheduler": _scheduler_meta(engine),
+            "loss_scaler": engine_state.loss_scaler(engine).state_dict(),
+            "data_sampler": _sampler_meta(engine)}
+
+
+def _params_meta(engine: "Engine", trainables: Dict[str, Trainable], exclude_frozen: bool,
+                 world: int) -> Tuple[Dict[str, Any], List[str]]:
+    """Every parameter's entry, and the names of the frozen ones left out."""
+    params, excluded = {}, []
+    for name, p in engine_state.named_params(engine):
+        if name in trainables:
+            params[name] = _trainable_meta(engine, trainables[name], world)
+        elif exclude_frozen:
+            excluded.append(name)
+        else:
+            n = engine_state.numel(p)
+            params[name] = _tensor_meta(p, [(0, 0, n)] if n else [])
+    return params, excluded
+
+
+def _tensor_meta(t: torch.Tensor, pieces: List[Piece]) -> Dict[str, Any]:
+    return {"shape": engine_state.shape(t), "dtype": dtype_name(t.dtype),
+            "numel": engine_state.numel(t), "trainable": False, "master": False,
+            "pieces": [list(p) for p in pieces]}
+
+
+def _trainable_meta(engine: "Engine", t: Trainable, world: int) -> Dict[str, Any]:
+    n = engine_state.numel(t.param)
+    pieces = [(r, *shard_range(n, world, r)) for r in range(world)]
+    entry = _tensor_meta(t.param, [p for p in pieces if p[2] > p[1]])
+    entry.update(trainable=True, master=t.param.dtype != torch.float32)
+    opt = engine_state.optimizer(engine)
+    if opt is None or t.tensor is None:
+        return entry
+    groups = [i for i, g in enumerate(opt.param_groups) if any(x is t.tensor for x in g["params"])]
+    entry["group"] = groups[0] if groups else None
+    saved = opt.state.get(t.tensor)
+    if saved:
+        entry["state"] = {
+            "tensors": {k: dtype_name(v.dtype) for k, v in saved.items()
+                        if elementwise(v, t.tensor)},
+            "scalars": {k: encode(v, f"optimizer state {k!r} of {t.name!r}")
+                        for k, v in saved.items() if not elementwise(v, t.tensor)}}
+    return entry
+
+
+def _optimizer_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
+    opt = engine_state.optimizer(engine)
+    if opt is None:
+        return None
+    groups = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
+              for i, g in enumerate(opt.param_groups)]
+    return {"class": type(opt).__name__, "groups": groups}
+
+
+def _scheduler_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
+    sched = engine_state.lr_scheduler(engine)
+    if sched is None or not hasattr(sched, "state_dict"):
+        return None
+    return {"class": type(sched).__name__,
+            "state": encode(sched.state_dict(), f"{type(sched).__name__}.state_dict()")}
+
+
+def _sampler_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
+    loader = engine_state.data_loader(engine)
+    return loader.state_dict() if loader is not None else None

@@ -1,0 +1,126 @@
+"""What one rank writes, prepared before anything touches the disk.
+
+Staging is where a save refuses: a client_state value that cannot be stored, an optimizer
+state that cannot be resharded. It runs on every rank before the first file is written, so a
+refusal on any rank leaves the disk as it was.
+
+Each rank stages its even shard ``shard_range(numel, world, rank)`` of every trainable
+parameter, of its fp32 master (16-bit modes) and of each per-element optimizer state; rank 0
+also the frozen parameters and persistent buffers whole, and meta.json. Every rank stages its
+RNG states and its own client_state.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .. import comm
+from ..zero._shards import shard_range
+from . import _engine_state as engine_state
+from ._client_state import pickle_objects, split_client_state
+from ._engine_state import Trainable
+from ._format import encode
+from ._manifest import describe, elementwise
+
+if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
+    from ..engine import Engine
+
+__all__ = ["Staged", "stage_rank"]
+
+
+@dataclass
+class Staged:
+    """What one rank writes, prepared (and validated) before anything touches the disk."""
+
+    tensors: Dict[str, torch.Tensor]
+    rank_json: Dict[str, Any]
+    meta: Optional[Dict[str, Any]] = None  # rank 0 only
+    rank: int = 0
+    client_objects: Optional[bytes] = None  # the pickled part of client_state, if any
+
+
+def stage_rank(engine: "Engine", client_state: Dict[str, Any],
+               exclude_frozen: bool) -> Staged:
+    client_json, client_tensors, client_objects = split_client_state(client_state)
+    rank = comm.get_rank()
+    trainables = engine_state.trainables(engine)
+    tensors = _model_tensors(engine, trainables, exclude_frozen)
+    tensors.update({f"client/{k}": v for k, v in client_tensors.items()})
+    rng_json, rng_tensors = _rng_state(engine)
+    tensors.update(rng_tensors)
+    # Device tensors are copied to the CPU now; CPU ones are written from where they are
+    # (nothing changes them while the save runs: it is synchronous).
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    rank_json = {"rank": rank, "rng": rng_json,
+                 "client": {"json": client_json, "tensors": sorted(client_tensors),
+                            "objects": sorted(map(str, client_objects))}}
+    meta = describe(engine, trainables, exclude_frozen) if rank == 0 else None
+    return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects))
+
+
+def _model_tensors(engine: "Engine", trainables: Dict[str, Trainable],
+                   exclude_frozen: bool) -> Dict[str, torch.Tensor]:
+    """This rank's shards of the trainable parameters; on rank 0, the whole tensors too."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    tensors: Dict[str, torch.Tensor] = {}
+    for t in trainables.values():
+        tensors.update(_trainable_shard(engine, t, world, rank))
+    # A frozen partitioned parameter is gathered: a collective that every rank joins.
+    if rank == 0 or engine_state.any_partitioned(engine):
+        whole = _whole_tensors(engine, trainables, exclude_frozen)
+        if rank == 0:
+            tensors.update(whole)
+    return tensors
+
+
+def _trainable_shard(engine: "Engine", t: Trainable, world: int,
+                     rank: int) -> Dict[str, torch.Tensor]:
+    """This rank's even shard of the parameter, its master and its per-element states."""
+    lo, hi = shard_range(engine_state.numel(t.param), world, rank)
+    if hi <= lo:
+        return {}
+    assert t.lo <= lo and hi <= t.hi, "a rank's optimizer slice must hold its even shard"
+    out = {f"param/{t.name}": engine_state.param_range(engine, t.param, lo, hi)}
+    a, b = lo - t.lo, hi - t.lo  # the shard within the optimizer's slice
+    if t.has_master:
+        out[f"master/{t.name}"] = t.tensor.detach().reshape(-1)[a:b]
+    opt = engine_state.optimizer(engine)
+    for key, value in (opt.state.get(t.tensor, {}) if opt is not None else {}).items():
+        if elementwise(value, t.tensor):
+            out[f"optim/{t.name}/{key}"] = value.detach().reshape(-1)[a:b]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            raise NotImplementedError(
+                f"optimizer state {key!r} of parameter {t.name!r} has shape "
+                f"{list(value.shape)}, neither per-element ({list(t.tensor.shape)}) nor scalar: "
+                "checkpoints cannot reshard it. Use an elementwise optimizer (Adam, SGD, ...).")
+    return out
+
+
+def _whole_tensors(engine: "Engine", trainables: Dict[str, Trainable],
+                   exclude_frozen: bool) -> Dict[str, torch.Tensor]:
+    """Frozen parameters and buffers, written whole by rank 0."""
+    out = {}
+    if not exclude_frozen:
+        for name, p in engine_state.named_params(engine):
+            if name not in trainables:
+                out[f"param/{name}"] = engine_state.param_range(engine, p, 0,
+                                                                engine_state.numel(p))
+    for name, b in engine_state.named_buffers(engine):
+        out[f"buffer/{name}"] = b.detach().reshape(-1)
+    return out
+
+
+def _rng_state(engine: "Engine") -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    as_json = {"python": encode(random.getstate(), "random state"),
+               "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
+                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    tensors = {"rng/torch": torch.get_rng_state()}
+    device = engine_state.device_rng(engine)
+    if device is not None:
+        tensors["rng/device"] = device.get_rng_state()
+    return as_json, tensors
