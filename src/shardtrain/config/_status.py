@@ -13,7 +13,6 @@ from typing import Any, Dict, FrozenSet, Tuple
 
 __all__ = ["IMPLEMENTED_ZERO_STAGES", "PLANNED", "STAGE_TUNING_KEYS", "NO_EFFECT", "REMOVED_KEYS"]
 
-
 IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2, 3})
 
 #: Dotted key -> what the feature is. A planned key is accepted only at its default (disabled)

@@ -28,7 +28,6 @@ __all__ = [
     "ZeroConfig",
 ]
 
-
 _OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower)]
 
 
