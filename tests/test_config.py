@@ -19,6 +19,9 @@ from shardtrain.config import (
     config_table,
     load_config,
 )
+from shardtrain.config import _planned as planned_module
+from shardtrain.config._model import _submodel
+from shardtrain.config._table import _table_markdown
 
 WS = 2  # the world size of every batch case below (facts section 2 was checked with ws=2)
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -50,10 +53,10 @@ def nested(dotted: str, value: Any) -> Dict[str, Any]:
 def all_stages(monkeypatch):
     """Pretend every ZeRO stage (and its tuning keys) is implemented, to test what the
     planned gate would otherwise hide."""
-    monkeypatch.setattr(config_module, "IMPLEMENTED_ZERO_STAGES", frozenset({0, 1, 2, 3}))
+    monkeypatch.setattr(planned_module, "IMPLEMENTED_ZERO_STAGES", frozenset({0, 1, 2, 3}))
     kept = {k: v for k, v in config_module.PLANNED.items()
             if k not in config_module.STAGE_TUNING_KEYS}
-    monkeypatch.setattr(config_module, "PLANNED", kept)
+    monkeypatch.setattr(planned_module, "PLANNED", kept)
 
 
 @pytest.fixture
@@ -401,7 +404,7 @@ def test_planned_key_refused_when_not_default(dotted):
 
 @pytest.mark.parametrize("dotted", sorted(PLANNED))
 def test_planned_key_accepted_at_its_default(dotted):
-    default = config_module._default_at(dotted)
+    default = planned_module._default_at(ShardConfig, dotted)
     load(with_context(dotted, default))
 
 
@@ -703,7 +706,7 @@ def test_table_lists_every_accepted_key():
         for name, field in model.model_fields.items():
             for key in {name, field.alias or name}:
                 assert f"{prefix}{key}" in keys
-            sub = config_module._submodel(field.annotation)
+            sub = _submodel(field.annotation)
             if sub is not None:
                 walk(sub, f"{prefix}{field.alias or name}.")
         for key in model.deprecated_keys:
@@ -718,9 +721,9 @@ def test_docs_table_is_the_generated_one():
     block = text.split("<!-- BEGIN GENERATED TABLE -->\n")[1].split("\n<!-- END GENERATED TABLE -->")[0]
     documented = set(re.findall(r"^\| `([^`]+)` \|", block, flags=re.MULTILINE))
     assert documented == {row["key"] for row in config_table()}
-    assert block == config_module._table_markdown(), (
+    assert block == _table_markdown(), (
         "docs/config.md is stale; regenerate the block with "
-        "python -c 'from shardtrain.config import _table_markdown; print(_table_markdown())'")
+        "python -c 'from shardtrain.config._table import _table_markdown; print(_table_markdown())'")
 
 
 # ---------------------------------------------------------------------------- ZeRO-3 leaf modules
