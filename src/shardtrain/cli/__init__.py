@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import (__version__, _cli_alias, _cli_consolidate, _cli_estimate, _cli_info, _cli_run,
-               monitor, profiling)
-from ._cli_common import _Failure, _UsageError
+from .. import __version__, monitor, profiling
+from . import _alias, _consolidate, _estimate, _info, _run
+from ._common import _Failure, _UsageError
 
 __all__ = ["main", "build_parser"]
 
@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"shardtrain {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _cli_run.add_parser(commands)
-    _cli_estimate.add_parser(commands)
-    _cli_info.add_parser(commands)
-    _cli_consolidate.add_parser(commands)
-    _cli_alias.add_parser(commands)
+    _run.add_parser(commands)
+    _estimate.add_parser(commands)
+    _info.add_parser(commands)
+    _consolidate.add_parser(commands)
+    _alias.add_parser(commands)
     profiling.add_autotune_parser(commands)  # its arguments are parsed by profiling.autotune_main
     monitor.add_plot_parser(commands)        # and these by monitor.plot_main
     return parser
@@ -92,7 +92,3 @@ examples:
 
 'shardtrain COMMAND --help' explains each command.
 """
-
-
-if __name__ == "__main__":
-    sys.exit(main())
