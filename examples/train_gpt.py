@@ -26,7 +26,7 @@ import gpt  # noqa: E402  (the example model, next to this file)
 
 import shardtrain  # noqa: E402
 from shardtrain import comm  # noqa: E402
-from shardtrain.monitor import Progress, plot_run  # noqa: E402
+from shardtrain.telemetry import Progress, plot_run  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

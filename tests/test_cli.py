@@ -226,9 +226,10 @@ def test_hostfile_finds_this_host(capsys, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"elsewhere slots=1\n{socket.gethostname()} slots=3\n")
     # Without --dry-run it would exec torchrun; the plan is what is checked here.
-    from shardtrain import _cli_run, cli
+    from shardtrain import cli
+    from shardtrain.cli import _run
     args = cli.build_parser().parse_args(["run", "--hostfile", str(hostfile), SCRIPT])
-    (launch,) = _cli_run._hostfile_launches(args)
+    (launch,) = _run._hostfile_launches(args)
     assert launch.label.startswith("node 1:") and "--nproc-per-node" in launch.argv
 
 

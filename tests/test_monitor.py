@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shardtrain
-from shardtrain import monitor
+from shardtrain import comm, monitor
 from shardtrain.monitor import Progress, plot_main, read_metrics
 
 from _dist import run_ranks
@@ -163,7 +163,7 @@ def test_progress_is_quiet_without_a_terminal_and_on_other_ranks(capsys, monkeyp
             bar.update(loss=1.5)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and lines[0].startswith("fit 2/4 loss=1.5") and "eta=" in lines[0]
-    monkeypatch.setattr(monitor.comm, "get_rank", lambda: 1)
+    monkeypatch.setattr(comm, "get_rank", lambda: 1)
     with Progress(total=4, every=1, enabled=True) as bar:
         bar.update(loss=1.0)
     assert capsys.readouterr().err == "" and bar._bar is None

@@ -12,6 +12,7 @@ import torch
 
 import shardtrain
 from shardtrain import profiling
+from shardtrain.autotune import search
 from shardtrain.profiling import (FlopsProfiler, SavedTensorMeter, Timers, Trial, measure_activation_memory,
                                   parse_size, stage_fits)
 
@@ -214,22 +215,22 @@ def test_stage_fits_follow_the_zero_formula():
 
 
 def test_candidates_surround_the_prediction():
-    assert profiling._candidates(12, 3, 1, 1024) == [6, 12, 13]
-    assert profiling._candidates(64, 3, 1, 1024) == [32, 64, 72]
-    assert profiling._candidates(64, 3, 1, 64) == [16, 32, 64]
-    assert profiling._candidates(1, 3, 1, 1024) == [1, 2]
-    assert profiling._candidates(0, 3, 1, 1024) == []
+    assert search._candidates(12, 3, 1, 1024) == [6, 12, 13]
+    assert search._candidates(64, 3, 1, 1024) == [32, 64, 72]
+    assert search._candidates(64, 3, 1, 64) == [16, 32, 64]
+    assert search._candidates(1, 3, 1, 1024) == [1, 2]
+    assert search._candidates(0, 3, 1, 1024) == []
 
 
 def test_choose_takes_the_fastest_that_fits_and_the_larger_batch_on_a_tie():
     trials = [Trial("a", 0, 8, "ok", samples_per_s=100.0), Trial("b", 0, 16, "ok", samples_per_s=98.0),
               Trial("c", 0, 18, "oom"), Trial("d", 3, 16, "ok", samples_per_s=60.0)]
-    assert profiling._choose(trials, "throughput").name == "b"
+    assert search._choose(trials, "throughput").name == "b"
     trials[1].samples_per_s = 80.0
-    assert profiling._choose(trials, "throughput").name == "a"
-    assert profiling._choose([Trial("x", 0, 2, "oom"), Trial("y", 0, 4, "error")], "throughput") is None
+    assert search._choose(trials, "throughput").name == "a"
+    assert search._choose([Trial("x", 0, 2, "oom"), Trial("y", 0, 4, "error")], "throughput") is None
     latency = [Trial("a", 0, 8, "ok", latency_ms=10.0), Trial("b", 0, 16, "ok", latency_ms=30.0)]
-    assert profiling._choose(latency, "latency").name == "a"
+    assert search._choose(latency, "latency").name == "a"
 
 
 def test_parse_size():

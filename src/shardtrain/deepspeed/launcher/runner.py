@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ... import accelerator as _acc
-from ..._cli_common import _UsageError
-from ..._cli_run import _local_names, _read_hostfile
+from ...cli._common import _UsageError
+from ...cli._run import _local_names, _read_hostfile
 
 __all__ = ["main", "translate", "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS",
            "parse_resource_filter", "fetch_hostfile"]

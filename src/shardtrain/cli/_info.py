@@ -15,8 +15,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import __version__, accelerator, comm
-from ._cli_common import _human
+from .. import __version__, accelerator, comm
+from ._common import _human
 
 
 _INFO_EXAMPLES = """\
@@ -76,7 +76,7 @@ def _package_versions() -> Dict[str, Optional[str]]:
 
 def _deepspeed() -> str:
     """Which ``deepspeed`` an import gives (the alias, DeepSpeed itself, none) and the undo."""
-    from .deepspeed._distribution import status_line  # the compatibility tree, only here
+    from ..deepspeed._distribution import status_line  # the compatibility tree, only here
     return status_line()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import accelerator
+from .. import accelerator
 
 
 class _UsageError(Exception):

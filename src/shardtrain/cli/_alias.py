@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._cli_common import _Failure
+from ._common import _Failure
 
 _EXAMPLES = """\
 examples:
@@ -43,7 +43,7 @@ def add_parser(commands) -> None:
 
 
 def _cmd_alias(args: argparse.Namespace) -> int:
-    from .deepspeed import _distribution as dist  # the compatibility tree, only when asked
+    from ..deepspeed import _distribution as dist  # the compatibility tree, only when asked
     try:
         if args.action == "install":
             dist.install(replace=args.replace)

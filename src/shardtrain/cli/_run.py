@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ._cli_common import _default_nproc, _non_negative_int, _positive_int, _UsageError
+from ._common import _default_nproc, _non_negative_int, _positive_int, _UsageError
 
 _DEFAULT_PORT = 29500  # DeepSpeed's and torchrun's default rendezvous port
 _RUN_ID = "shardtrain"

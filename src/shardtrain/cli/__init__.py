@@ -1,9 +1,25 @@
-"""The ``shardtrain`` command: ``run``, ``estimate`` and ``info``.
+"""The ``shardtrain`` command: one parser, one private module per subcommand.
 
-``run`` starts a training script on one or many machines through torchrun
-(``torch.distributed.run``), which does the rendezvous and the elastic restarts; shardtrain
-only builds its command line. ``estimate`` prints the model-state memory per rank of each ZeRO
-stage for a model built on the meta device. ``info`` prints what a bug report needs.
+:func:`main` builds the parser and runs the handler the chosen subcommand registered. Each
+module owns its command's options, examples and work, and registers itself with
+``add_parser(commands)``:
+
+* ``_run``: ``shardtrain run``, a torchrun command line (rendezvous and restarts are
+  torchrun's); the workers of ``--local-rank-arg`` start through ``shardtrain._launch_shim``,
+  which stays outside this package because they run it by that module name;
+* ``_estimate``: ``shardtrain estimate``, model-state memory per rank for ZeRO stages 0-3;
+* ``_info``: ``shardtrain info``, what a bug report needs;
+* ``_consolidate``: ``shardtrain consolidate``, a checkpoint's full weights in one file;
+* ``_autotune``: ``shardtrain autotune`` over :func:`shardtrain.autotune.autotune`;
+* ``_plot``: ``shardtrain plot`` over :func:`shardtrain.telemetry.plot_run`;
+* ``_alias``: ``shardtrain deepspeed-alias``, the ``deepspeed`` distribution;
+* ``_common``: the two kinds of error (a wrong argument exits with 2, failed work with 1),
+  argument types that name a bad value, and number formatting.
+
+``autotune`` and ``plot`` take their arguments unparsed and parse them in
+:func:`autotune_main` and :func:`plot_main`, which Python code may call too. This package is
+the only one that builds a parser for a shardtrain command, and the packages it launches
+never import it.
 
 Example:
     $ shardtrain run --nproc 2 train.py --config train.json
@@ -21,11 +37,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import (__version__, _cli_alias, _cli_consolidate, _cli_estimate, _cli_info, _cli_run,
-               monitor, profiling)
-from ._cli_common import _Failure, _UsageError
+from .. import __version__
+from . import _alias, _autotune, _consolidate, _estimate, _info, _plot, _run
+from ._autotune import autotune_main
+from ._common import _Failure, _UsageError
+from ._plot import plot_main
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "autotune_main", "plot_main"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``shardtrain`` argument parser with its ``run``, ``estimate`` and ``info`` commands."""
+    """The ``shardtrain`` argument parser with every command."""
     parser = argparse.ArgumentParser(
         prog="shardtrain", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Distributed training for PyTorch: launch, size and diagnose.",
@@ -61,13 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"shardtrain {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _cli_run.add_parser(commands)
-    _cli_estimate.add_parser(commands)
-    _cli_info.add_parser(commands)
-    _cli_consolidate.add_parser(commands)
-    _cli_alias.add_parser(commands)
-    profiling.add_autotune_parser(commands)  # its arguments are parsed by profiling.autotune_main
-    monitor.add_plot_parser(commands)        # and these by monitor.plot_main
+    _run.add_parser(commands)
+    _estimate.add_parser(commands)
+    _info.add_parser(commands)
+    _consolidate.add_parser(commands)
+    _alias.add_parser(commands)
+    _autotune.add_parser(commands)  # its arguments are parsed by autotune_main
+    _plot.add_parser(commands)      # and these by plot_main
     return parser
 
 
@@ -92,7 +110,3 @@ examples:
 
 'shardtrain COMMAND --help' explains each command.
 """
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,7 +31,7 @@ def add_parser(commands) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .checkpoint import consolidate
+    from ..checkpoint import consolidate
     try:
         path = consolidate(args.checkpoint_dir, args.out, tag=args.tag, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as err:

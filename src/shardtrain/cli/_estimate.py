@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from .config import IMPLEMENTED_ZERO_STAGES, PLANNED, ZeroConfig
-from .memory import zero_formula_bytes
-from ._cli_common import (_default_nproc, _Failure, _human, _non_negative_int, _one_line, _plural,
+from ..config import IMPLEMENTED_ZERO_STAGES, PLANNED, ZeroConfig
+from ..memory import zero_formula_bytes
+from ._common import (_default_nproc, _Failure, _human, _non_negative_int, _one_line, _plural,
                           _positive_int, _UsageError)
 
 _PERSISTENCE_DEFAULT = ZeroConfig.model_fields["param_persistence_threshold"].default
