@@ -80,8 +80,8 @@ def _engine(args, stage: int):
 def _ours(engine, args, where: Path) -> dict:
     saves, loads = [], []
     for i in range(args.repeats):
-        saves.append(_timed(lambda: engine.save_checkpoint(where, tag=f"r{i}")))
-        loads.append(_timed(lambda: engine.load_checkpoint(where, tag=f"r{i}")))
+        saves.append(_timed(lambda i=i: engine.save_checkpoint(where, tag=f"r{i}")))
+        loads.append(_timed(lambda i=i: engine.load_checkpoint(where, tag=f"r{i}")))
     return {"save_s": statistics.median(saves), "load_s": statistics.median(loads),
             "bytes": _dir_bytes(where / "r0")}
 

@@ -67,7 +67,8 @@ def run_job(cmd: List[str], env: Dict[str, str], cwd, timeout: float = 150,
                         f"{out[-6000:]}")
         if not aborted_at_exit(out) or attempt == 2:
             return proc.returncode, out
-        warnings.warn(f"a worker aborted at exit; running the job again:\n{out[-2000:]}")
+        warnings.warn(f"a worker aborted at exit; running the job again:\n{out[-2000:]}",
+                      stacklevel=2)
         reset()
     raise AssertionError("unreachable")
 
@@ -127,13 +128,13 @@ def run_ranks(target: str, world_size: int, timeout: float = 180.0,
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise RanksFailed(f"{target} on {world_size} ranks timed out after "
-                                      f"{timeout:.0f}s\n" + _read_logs(logs))
+                                      f"{timeout:.0f}s\n" + _read_logs(logs)) from None
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and results.empty():
                     time.sleep(0.5)  # let a failing rank's report arrive first
                     if results.empty():
                         raise RanksFailed(f"{target}: a rank exited with code "
-                                          f"{dead[0].exitcode}\n" + _read_logs(logs))
+                                          f"{dead[0].exitcode}\n" + _read_logs(logs)) from None
                 continue
             if status == "error":
                 raise RanksFailed(f"{target} failed on rank {rank}:\n{payload}\n"

@@ -147,10 +147,9 @@ def draws() -> List[float]:
 
 def masters(engine) -> Dict[str, Any]:
     """This rank's fp32 master slices: name -> (lo, hi, values)."""
-    view, names = engine._strategy.view, {id(p): n for n, p in engine.module.named_parameters()}
-    return {names[id(p)]: (lo, hi, t.detach().reshape(-1).clone())
-            for p, (lo, hi), t in zip(view.params, view.slices, view.tensors)
-            if t is not None and t is not p}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return {names[id(s.param)]: (s.lo, s.hi, s.tensor.detach().reshape(-1).clone())
+            for s in engine.optimizer_slots() if s.tensor is not None and s.tensor is not s.param}
 
 
 def guarded(fn: Callable, *args, **kw) -> Any:
@@ -513,10 +512,8 @@ def _module_only(world: int, root: Path) -> Dict[str, Any]:
     """Weights only: no counters, no optimizer state; the masters follow the loaded weights."""
     engine = engine_for(world, 1, "bf16")
     path, client = engine.load_checkpoint(root / "w2-bf16-s1", load_module_only=True)
-    view = engine._strategy.view
-    follow = all(torch.equal(t.reshape(-1), p.detach().reshape(-1)[lo:hi].float())
-                 for p, (lo, hi), t in zip(view.params, view.slices, view.tensors)
-                 if t is not None)
+    follow = all(torch.equal(s.tensor.reshape(-1), s.param.detach().reshape(-1)[s.lo:s.hi].float())
+                 for s in engine.optimizer_slots() if s.tensor is not None)
     return {"global_steps": engine.global_steps, "states": len(engine.optimizer.state),
             "params": ce._params(engine.module), "masters_follow": follow, "client": client}
 

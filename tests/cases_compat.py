@@ -158,7 +158,7 @@ def engine_surface(rank: int, world: int) -> Dict[str, Any]:
         engine.make_model_attr() if hasattr(engine.module, "make_model_attr") else \
         (engine.fc1 is engine.module.fc1, type(engine.mid).__name__)
     try:
-        engine.no_such_attribute
+        _ = engine.no_such_attribute
     except AttributeError as err:
         out["missing"] = str(err)
     if engine.zero_optimization_stage() < 2:
@@ -199,8 +199,19 @@ def destroy_then_train_again(rank: int, world: int) -> Dict[str, Any]:
     ce.train(first, data, rank)
     first.empty_partition_cache()
     first.destroy()
+    leftover = _hooks_left(first.module)
     second = ce.engine_for(ce.make_model(), config())
-    return {"after": ce.train(second, data, rank)["params"]}
+    return {"after": ce.train(second, data, rank)["params"], "leftover": leftover}
+
+
+def _hooks_left(model: torch.nn.Module) -> Dict[str, Any]:
+    """What an engine installed on a model and did not remove."""
+    return {"module_hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                                for m in model.modules()),
+            "grad_hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
+            "load_hooks": len(model._load_state_dict_post_hooks),
+            "swapped_classes": [type(m).__name__ for m in model.modules()
+                                if getattr(type(m), "_zero_access_class", False)]}
 
 
 def stage3_partition_cache(rank: int, world: int) -> Dict[str, Any]:

@@ -7,7 +7,6 @@ same global batch.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 from typing import Any, Callable, Dict, List, Optional
@@ -202,8 +201,7 @@ def case_unused(rank, world):
     data = make_data(3, 1, world, 4)
     engine = engine_for(make_model(unused=True), base_config(micro=4))
     out = train(engine, data, rank)
-    view = engine._strategy.view
-    held = {id(p): t for p, t in zip(view.params, view.tensors)}
+    held = {id(s.param): s.tensor for s in engine.optimizer_slots()}
     spare = held.get(id(engine.module.spare.weight))  # None: this rank holds none of it
     out["spare_state"] = len(engine.optimizer.state.get(spare, {})) if spare is not None else 0
     out["spare_held"] = spare is not None
@@ -341,7 +339,7 @@ def case_comm_pattern(rank, world):
         log: List[tuple] = []
 
         def observe(op, tensor, engine=engine, log=log):
-            arrived = sum(b.arrived for b in engine._strategy.buckets)
+            arrived = engine.strategy.stats()["arrived"]
             log.append((op, engine.micro_steps, arrived, tensor.numel()))
 
         comm.add_observer(observe)
@@ -349,8 +347,8 @@ def case_comm_pattern(rank, world):
             train(engine, make_data(2, 3, world, 2), rank)
         finally:
             comm.remove_observer(observe)
-        out[overlap] = {"log": log, "buckets": len(engine._strategy.buckets),
-                        "nparams": len(engine._strategy.params)}
+        stats = engine.strategy.stats()
+        out[overlap] = {"log": log, "buckets": stats["buckets"], "nparams": stats["params"]}
     return out
 
 
@@ -474,7 +472,8 @@ def case_offload(rank, world):
         cfg = base_config(micro=3, gas=2, gradient_clipping=1.0, zero_optimization=zero, **extra)
         engine = engine_for(make_model(), cfg)
         out[mode] = train(engine, data, rank)
-        out[mode]["host_states"] = all(t.device.type == "cpu" for t in engine._strategy.view.masters)
+        out[mode]["host_states"] = all(s.tensor.device.type == "cpu"
+                                       for s in engine.optimizer_slots() if s.is_copy)
         out[mode]["foreach"] = [g.get("foreach") for g in engine.optimizer.param_groups]
     return out
 

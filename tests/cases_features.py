@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import gpt
 from _dist import run_cases
 import shardtrain
-from shardtrain import checkpointing, comm
+from shardtrain import checkpointing
 from shardtrain.checkpointing import checkpoint
 
 

@@ -116,7 +116,8 @@ def run_znet(rank: int, world: int, data, penalty: bool, **zero) -> Dict[str, An
     persistent = {n: tuple(p.shape) for n, p in engine.module.named_parameters()
                   if getattr(p, "ds_persist", False)}
     return {"losses": losses, "params": _state(engine.module), "shard_only": shard_only,
-            "buffer": engine.module.shift.clone(), "stats": dict(engine._strategy.stats),
+            "buffer": engine.module.shift.clone(),
+            "stats": {k: engine.strategy.stats()[k] for k in ("prefetched", "on_demand")},
             "persistent": persistent}
 
 
@@ -285,7 +286,7 @@ def _gathers_per_step(engine, data, rank) -> Dict[str, Any]:
     counts, losses = [], []
     for s in range(data.shape[0]):
         seen = []
-        observer = lambda op, t: seen.append(op)  # noqa: E731
+        observer = lambda op, t, seen=seen: seen.append(op)  # noqa: E731
         comm.add_observer(observer)
         try:
             batch = data[s, rank]
@@ -328,7 +329,8 @@ def case_leaf_selection(rank, world):
         leaf_module={"classes": [], "names": "blocks.0", "name_suffixes": ["mlp"]}))
     out = _gathers_per_step(engine, data, rank)
     out["leaves"] = [n for n, m in model.named_modules() if shardtrain.zero.z3_leaf_module(m)]
-    out["units"] = sorted(n for n, m in model.named_modules() if id(m) in engine._strategy._module_hooks)
+    units = {id(m) for m in engine.strategy.units()}
+    out["units"] = sorted(n for n, m in model.named_modules() if id(m) in units)
     return out
 
 

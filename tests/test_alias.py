@@ -74,7 +74,7 @@ def test_what_is_not_provided_says_so_where_it_is_used():
         DeepSpeedCPULion([torch.nn.Parameter(torch.zeros(1))])
     assert not isinstance(object(), deepspeed.PipelineModule)
     with pytest.raises(AttributeError):
-        deepspeed.no_such_name
+        _ = deepspeed.no_such_name
 
 
 def test_the_wheel_installs_and_imports_in_a_fresh_interpreter(tmp_path):
@@ -119,7 +119,7 @@ def test_shardtrain_info_says_which_deepspeed_is_active():
     cl.require_alias()
     out = subprocess.run([str(Path(sys.executable).with_name("shardtrain")), "info"],
                          capture_output=True, text=True, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("deepspeed "))
+    line = next(ln for ln in out.splitlines() if ln.startswith("deepspeed "))
     assert "the shardtrain alias" in line and "undo: shardtrain deepspeed-alias uninstall" in line
 
 

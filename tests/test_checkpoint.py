@@ -349,7 +349,7 @@ def test_consolidate_equals_the_live_weights(runs, world, name, tmp_path):
 def _assembled_masters(per_rank, name):
     pieces = {}
     for result in per_rank:
-        for key, (lo, hi, values) in result[name]["at_save"]["masters"].items():
+        for key, (lo, _hi, values) in result[name]["at_save"]["masters"].items():
             pieces.setdefault(key, []).append((lo, values))
     return {k: torch.cat([v for _, v in sorted(p, key=lambda x: x[0])]) for k, p in pieces.items()}
 

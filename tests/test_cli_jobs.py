@@ -138,7 +138,8 @@ class Job:
                 if self.retried:
                     pytest.fail(f"a worker aborted at exit twice:\n{str(aborted)[-6000:]}")
                 self.retried = True
-                warnings.warn(f"a worker aborted at exit; running the job again:\n{str(aborted)[-2000:]}")
+                warnings.warn(f"a worker aborted at exit; running the job again:\n{str(aborted)[-2000:]}",
+                              stacklevel=2)
                 self.reset()
                 self.procs = [start(args) for args in self.launches()]
                 return self.output()

@@ -102,6 +102,10 @@ def test_destroy_then_a_new_engine_trains_as_the_reference(run):
     world, _, _ = run
     ref = reference_params(world)
     for rank in range(world):
+        # every hook the engine installed (gradient, module and load hooks, stage 3's
+        # attribute classes) is gone from the model
+        assert result(run, "destroy", rank)["leftover"] == {
+            "module_hooks": 0, "grad_hooks": 0, "load_hooks": 0, "swapped_classes": []}
         after = result(run, "destroy", rank)["after"]
         for name, value in ref.items():
             torch.testing.assert_close(after[name], value, atol=1e-5, rtol=1e-5)

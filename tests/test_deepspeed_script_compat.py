@@ -334,7 +334,8 @@ API: List[Api] = [
     Api("Engine.train_batch_size", "supported", ""),
     Api("Engine.train_micro_batch_size_per_gpu", "supported", ""),
     Api("Engine.gradient_accumulation_steps", "supported", ""),
-    Api("Engine.set_train_batch_size", "supported", "changes the accumulation steps; ValueError unless a multiple of micro-batch x world size"),
+    Api("Engine.set_train_batch_size", "supported",
+        "changes the accumulation steps; ValueError unless a multiple of micro-batch x world size"),
     Api("Engine.set_train_micro_batch_size", "planned", "changing the batch triple at run time"),
     Api("Engine.get_batch_info", "supported", "`(train_batch_size, micro-batch, accumulation steps)`"),
     Api("Engine.zero_optimization_stage", "supported", ""),
@@ -396,7 +397,9 @@ API: List[Api] = [
         "(`engine.config.get(\"zero_optimization\", {})`, `engine.config[\"train_batch_size\"]`)"),
     Api("Engine.dp_world_size", "supported", "the data-parallel size (= `world_size`)"),
     Api("Engine.mp_world_size", "planned", "always 1: no model parallelism"),
-    Api("Engine.monitor", "planned", "monitors are configured from the config; `engine.log_metrics(...)` writes to them"),
+    Api("Engine.monitor", "supported",
+        "`write_events([(name, value, global_samples)])` and `enabled`, as DeepSpeed's monitor; the "
+        "monitors come from the config (also `summary()` and `close()`)"),
 ]
 
 #: shardtrain names with no row above, for the doc's last table (checked to exist)

@@ -42,8 +42,9 @@ def train_with_monitors(rank: int, world_size: int, out: str) -> dict:
             step_losses.append(loss.item())
         losses.append(sum(step_losses) / GAS)
     engine.log_metrics(eval_loss=torch.tensor(0.25))
-    writers = len(engine._watch.monitors)
-    engine._watch.close()
+    engine.monitor.write_events([("Eval/Samples/accuracy", 0.5, 1000)])  # DeepSpeed's call
+    writers = len(engine.monitor.monitors) if engine.monitor.enabled else -1
+    engine.monitor.close()
     return {"losses": losses, "writers": writers, "states": engine.model_state_bytes()["total"]}
 
 
@@ -75,7 +76,8 @@ def test_jsonl_rows(run):
         activations = MICRO * (8 + 16) * 4  # the input, and the tanh output (saved by both)
         assert row["memory_peak"] == [r["states"] + activations for r in results]
         assert "time_ms" not in row and "loss_scale" not in row
-    assert extra == [{**extra[0], "step": STEPS, "eval_loss": 0.25}]
+    assert extra == [{**extra[0], "step": STEPS, "eval_loss": 0.25},
+                     {**extra[1], "step": STEPS, "samples": 1000, "Eval/Samples/accuracy": 0.5}]
 
 
 def test_csv_rows_follow_deepspeed(run):

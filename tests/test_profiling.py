@@ -128,14 +128,14 @@ def test_engine_timers_and_flops_profile(tmp_path, records, monkeypatch):
               "jsonl_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
     engine, *_ = shardtrain.initialize(model=mlp(), config=config)
     train(engine, 4, batch)
-    engine._watch.close()
+    engine.monitor.close()
     # FLOPs of one step: two micro-batches, each forward 2*B*(IN*HIDDEN + HIDDEN*OUT); backward
     # the weight gradients of both layers and the input gradient of the second.
     forward = 2 * 2 * batch * (IN * HIDDEN + HIDDEN * OUT)
     backward = 2 * 2 * batch * (IN * HIDDEN + 2 * HIDDEN * OUT)
     report = (tmp_path / "flops.txt").read_text()
     assert f"forward FLOPs       {forward:,}" in report and f"backward FLOPs      {backward:,}" in report
-    assert engine._watch.flops_per_step == forward + backward
+    assert engine.monitor.flops_per_step == forward + backward
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:

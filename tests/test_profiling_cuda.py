@@ -28,7 +28,7 @@ def test_activation_memory_from_the_allocator_peak():
     sizes = {}
     for batch in (64, 128):
         x = torch.randn(batch, 256, device="cuda")
-        out, mem = profiling.measure_activation_memory(lambda: model(x), model)
+        out, mem = profiling.measure_activation_memory(lambda x=x: model(x), model)
         out.sum().backward()
         assert mem.method == "cuda_peak" and mem.saved_bytes == batch * (256 + 1024) * 4
         assert mem.bytes >= batch * (1024 + 256) * 4  # hidden and output, at least
@@ -56,7 +56,7 @@ def test_monitor_memory_comes_from_the_allocator(tmp_path):
     for _ in range(3):
         engine.backward(engine(torch.randn(64, 256, device="cuda")).pow(2).mean())
         engine.step()
-    engine._watch.close()
+    engine.monitor.close()
     rows = [json.loads(line) for line in (tmp_path / "cuda" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["memory_peak"][0] > r["memory_allocated"][0] > 0 for r in rows)
     assert all(r["time_ms"]["forward"] > 0 and r["time_ms"]["optimizer"] > 0 for r in rows)

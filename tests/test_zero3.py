@@ -94,7 +94,7 @@ def test_model_built_under_init(run):
         losses.append([x.item() for x in per_rank])
     for rank in range(world):
         got = result(run, "init", rank)["losses"]
-        assert got == pytest.approx([l[rank] for l in losses], abs=1e-5)
+        assert got == pytest.approx([per_step[rank] for per_step in losses], abs=1e-5)
     close(result(run, "init")["params"], cz._state(plain))
 
 
@@ -158,7 +158,7 @@ def test_leaf_blocks_gather_once_and_train_the_same(run):
         assert total_leaf <= 2 * fwd_leaf
     for rank in range(world):
         got = result(run, "leaf_blocks", rank)[True]
-        assert got["losses"] == pytest.approx([l[rank] for l in losses], abs=1e-5)
+        assert got["losses"] == pytest.approx([per_step[rank] for per_step in losses], abs=1e-5)
     close(per_leaf["params"], state)
     close(per_module["params"], state)
 
@@ -179,7 +179,7 @@ def test_leaves_by_name_suffix_and_granularity(run):
     losses, state = plain_gpt_training(world, tokens)
     for rank in range(world):
         assert result(run, "leaf_selection", rank)["losses"] == pytest.approx(
-            [l[rank] for l in losses], abs=1e-5)
+            [per_step[rank] for per_step in losses], abs=1e-5)
     close(got["params"], state)
 
 
@@ -199,9 +199,10 @@ def test_mixture_of_experts_with_a_leaf_block(run):
         per_rank = [torch.nn.functional.cross_entropy(model(x[s, 0, r]), y[s, 0, r]) for r in range(world)]
         (sum(per_rank) / world).backward()
         opt.step()
-        losses.append([l.item() for l in per_rank])
+        losses.append([x.item() for x in per_rank])
     for rank in range(world):
-        assert result(run, "leaf_moe", rank)["losses"] == pytest.approx([l[rank] for l in losses], abs=1e-5)
+        expected = [per_step[rank] for per_step in losses]
+        assert result(run, "leaf_moe", rank)["losses"] == pytest.approx(expected, abs=1e-5)
     close(result(run, "leaf_moe")["params"], cz._state(model))
     same_on_every_rank(run, "leaf_moe")
 

@@ -9,34 +9,16 @@ training step in ``engine.py``; the engine inherits them.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import comm
+from .zero.strategy import ParamSlot
 
 #: engines alive in this process, to find the one that trains a parameter
 _ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """What the optimizer holds of one trainable parameter on this rank.
-
-    ``tensor`` is the optimizer's tensor for elements ``[lo, hi)`` of the flattened
-    parameter (its fp32 master, a view of the parameter, or the parameter itself; None when
-    this rank holds no element of it); ``sharded`` is False when every rank holds all of it.
-    """
-
-    param: torch.nn.Parameter
-    lo: int
-    hi: int
-    numel: int
-    tensor: Optional[torch.Tensor]
-    sharded: bool
 
 
 class ThroughputTimer:
@@ -73,18 +55,23 @@ class DeepSpeedEngineAPI:
     # -- settings (DeepSpeed's getter names) ----------------------------------------------------
 
     def bfloat16_enabled(self) -> bool:
+        """``bf16.enabled``: the module trains in bf16 with fp32 master weights."""
         return bool(self.config.bf16.enabled)
 
     def fp16_enabled(self) -> bool:
+        """``fp16.enabled``: the module trains in fp16 with fp32 master weights."""
         return bool(self.config.fp16.enabled)
 
     def fp16_auto_cast(self) -> bool:
+        """``fp16.auto_cast``."""
         return bool(self.config.fp16.auto_cast)
 
     def amp_enabled(self) -> bool:
+        """Always False: DeepSpeed's "amp" block was removed (``torch_autocast`` replaces it)."""
         return False  # DeepSpeed's "amp" block was removed; torch_autocast replaces it
 
     def torch_autocast_enabled(self) -> bool:
+        """``torch_autocast.enabled``."""
         return bool(self.config.torch_autocast.enabled)
 
     def zero_optimization(self) -> bool:
@@ -92,28 +79,36 @@ class DeepSpeedEngineAPI:
         return self.zero_optimization_stage() > 0
 
     def zero_optimization_partition_gradients(self) -> bool:
+        """Gradients are sharded (ZeRO stage 2 or 3)."""
         return self.zero_optimization_stage() >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
+        """Parameters are sharded (ZeRO stage 3)."""
         return self.zero_optimization_stage() == 3
 
     def zero_offload_optimizer(self):
+        """The ``zero_optimization.offload_optimizer`` block (None when absent)."""
         return self.config.zero_optimization.offload_optimizer
 
     def zero_offload_param(self):
+        """The ``zero_optimization.offload_param`` block (None when absent)."""
         return self.config.zero_optimization.offload_param
 
     def zero_cpu_offload(self) -> bool:
+        """Optimizer states are offloaded to host memory."""
         offload = self.config.zero_optimization.offload_optimizer
         return offload is not None and offload.device == "cpu"
 
     def zero_reduce_bucket_size(self) -> int:
+        """``zero_optimization.reduce_bucket_size``, in elements."""
         return int(self.config.zero_optimization.reduce_bucket_size)
 
     def zero_allgather_bucket_size(self) -> int:
+        """``zero_optimization.allgather_bucket_size``, in elements."""
         return int(self.config.zero_optimization.allgather_bucket_size)
 
     def zero_overlap_comm(self) -> bool:
+        """``zero_optimization.overlap_comm``."""
         return bool(self.config.zero_optimization.overlap_comm)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -121,30 +116,40 @@ class DeepSpeedEngineAPI:
         return bool(self.config.zero_optimization.gather_16bit_weights_on_model_save)
 
     def gradient_clipping(self) -> float:
+        """``gradient_clipping``: the global norm gradients are clipped to (0: off)."""
         return float(self.config.gradient_clipping)
 
     def dynamic_loss_scale(self) -> bool:
+        """fp16 with a dynamic loss scale (``fp16.loss_scale`` is 0)."""
         return self.fp16_enabled() and self.config.fp16.loss_scale == 0
 
     def loss_scale(self) -> float:
+        """``fp16.loss_scale`` as configured (0: dynamic); the current scale is
+        :meth:`get_loss_scale`."""
         return float(self.config.fp16.loss_scale)
 
     def steps_per_print(self) -> Optional[int]:
+        """``steps_per_print``."""
         return self.config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
+        """``wall_clock_breakdown``."""
         return bool(self.config.wall_clock_breakdown)
 
     def memory_breakdown(self) -> bool:
+        """``memory_breakdown``."""
         return bool(self.config.memory_breakdown)
 
     def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in (``communication_data_type``)."""
         return self.config.comm_dtype()
 
     def postscale_gradients(self) -> bool:
+        """True unless ``prescale_gradients``: gradients are divided after the sum."""
         return not self.config.prescale_gradients
 
     def gradient_predivide_factor(self) -> float:
+        """``gradient_predivide_factor``."""
         return float(self.config.gradient_predivide_factor)
 
     def get_batch_info(self) -> Tuple[int, int, int]:
@@ -153,16 +158,20 @@ class DeepSpeedEngineAPI:
                 self.gradient_accumulation_steps())
 
     def get_data_parallel_rank(self) -> int:
+        """This rank in the data-parallel group."""
         return self.global_rank
 
     def get_data_parallel_world_size(self) -> int:
+        """Ranks in the data-parallel group."""
         return self.world_size
 
     def get_model_parallel_world_size(self) -> int:
+        """Always 1: there is no model parallelism."""
         return 1
 
     @property
     def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer: samples per second since it started."""
         timer = self.__dict__.get("_tput_timer")
         if timer is None:
             timer = self.__dict__["_tput_timer"] = ThroughputTimer(self)
@@ -192,6 +201,7 @@ class DeepSpeedEngineAPI:
         released. The process group stays (``shardtrain.destroy()`` ends it)."""
         self.empty_partition_cache()
         self._strategy.remove_hooks()
+        self._load_hook.remove()
         _ENGINES.discard(self)
 
     # -- parameters, as the safe_get_full_* helpers reach them -------------------------------
@@ -206,17 +216,10 @@ class DeepSpeedEngineAPI:
 
     def optimizer_slot(self, param: torch.Tensor) -> Optional[ParamSlot]:
         """What this rank's optimizer holds of ``param`` (None if the engine does not train it)."""
-        view = self._strategy.view
         index = self.__dict__.get("_slot_index")
-        if index is None or len(index) != len(view.params):
-            index = self.__dict__["_slot_index"] = {id(p): i for i, p in enumerate(view.params)}
-        i = index.get(id(param))
-        if i is None:
-            return None
-        lo, hi = view.slices[i]
-        numel = int(getattr(param, "ds_numel", param.numel()))
-        return ParamSlot(param, lo, hi, numel, view.tensors[i],
-                         sharded=self.zero_optimization_stage() > 0 and comm.get_world_size() > 1)
+        if index is None:
+            index = self.__dict__["_slot_index"] = {id(s.param): s for s in self.optimizer_slots()}
+        return index.get(id(param))
 
     def parameters_changed(self, param: torch.Tensor) -> None:
         """The optimizer's fp32 copy of ``param`` was written: refresh the module's weight.
@@ -224,4 +227,4 @@ class DeepSpeedEngineAPI:
         At stages 1-3 each rank refreshes its own slice; the others follow at the next
         step's all-gather (stages 1-2) or are this rank's shard already (stage 3).
         """
-        self._strategy.view.copy_masters_to_params()
+        self._strategy.copy_masters_to_params()

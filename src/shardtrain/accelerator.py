@@ -15,7 +15,8 @@ import torch
 
 __all__ = ["device", "device_type", "default_backend", "synchronize", "memory_stats",
            "range", "is_cuda", "set_local_device", "reset_peak_memory", "total_memory",
-           "device_name", "limit_memory", "is_out_of_memory"]
+           "device_name", "limit_memory", "is_out_of_memory", "device_count", "nccl_version",
+           "device_inventory"]
 
 _ENV = "SHARDTRAIN_ACCELERATOR"
 

@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
-    "get_local_rank", "get_local_world_size", "barrier", "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_object",
-    "broadcast_object", "Work", "add_observer", "remove_observer",
+    "get_local_rank", "get_local_world_size", "get_backend", "available_backends", "barrier",
+    "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
+    "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
+    "LaunchEnv", "detect_launch_env",
 ]
 
 logger = logging.getLogger("shardtrain")

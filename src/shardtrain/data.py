@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+__all__ = ["ShardedDataLoader", "ResumableDistributedSampler", "epoch_order", "is_map_dataset"]
+
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
     """The global order of one epoch: the same on every rank and for every world size."""

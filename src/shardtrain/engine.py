@@ -23,10 +23,13 @@ from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
 from .memory import count_bytes, write_weights
-from .monitor import build_watch
 from .optim import build_optimizer, build_scheduler
 from .precision import LossScaler, Precision, build_loss_scaler
-from .zero import DataParallel, ReduceSettings, ZeroStage1, ZeroStage2, ZeroStage3
+from .state import Phase, TrainingParts, TrainState
+from .telemetry import StepWatch, build_watch
+from .zero.strategy import ParamSlot, ReduceSettings, Strategy, build_strategy
+
+__all__ = ["Engine"]
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
 
@@ -58,21 +61,18 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
         self.device = accelerator.device()
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self._step_applied = False
-        self._global_grad_norm: Optional[float] = None
+        self.train_state = TrainState()
+        self._phase = Phase.IDLE
+        self._no_sync = False           # inside no_sync(): backward passes do not synchronise
         self._boundary_override: Optional[bool] = None
-        self._inside_step = False
-        self._no_sync_depth = 0
-        self._in_engine_backward = False
-        self._callback_queued = False
-        self._backward_calls = 0
-        self._backward_task = -1       # the autograd graph task the output hooks last saw
+        self._backward_calls = 0        # backward passes since the last step
+        # The backward pass running: its autograd graph task (None until engine.backward's
+        # pass reaches an output hook) and the factor output gradients get.
+        self._backward_task: Optional[int] = None
         self._backward_factor = 1.0
         self._step_grads: Optional[List[torch.Tensor]] = None  # reduced, for this step
+        self._step_applied = False
+        self._global_grad_norm: Optional[float] = None
         self._last_print = (time.perf_counter(), 0)
 
         self._precision = Precision.from_config(config, self.device.type)
@@ -83,12 +83,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
-        self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (monitor.py)
+        self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (telemetry)
         self._publish_optimizer_flags(overflow=False)
         _ENGINES.add(self)
         # Weights loaded into the module later must reach the fp32 masters too.
-        self.module.register_load_state_dict_post_hook(
-            lambda module, keys: self._strategy.view.refresh_masters())
+        self._load_hook = self.module.register_load_state_dict_post_hook(
+            lambda module, keys: self._strategy.refresh_masters())
 
     # -- construction -----------------------------------------------------------------------
 
@@ -135,23 +135,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             lr_scheduler = build_scheduler(spec, self.optimizer)
         return lr_scheduler
 
-    def _build_strategy(self, trainable: List[torch.nn.Parameter]) -> DataParallel:
-        cfg, zero = self.config, self.config.zero_optimization
-        reduce = ReduceSettings(self.world_size, cfg.gradient_allreduce_op,
-                                cfg.prescale_gradients, cfg.gradient_predivide_factor,
-                                cfg.comm_dtype())
-        common = (trainable, int(zero.reduce_bucket_size), bool(zero.overlap_comm), reduce,
-                  self._should_reduce)
-        if zero.stage == 0:
-            return DataParallel(*common)
-        sharded = (int(zero.allgather_bucket_size), self.world_size, self.global_rank,
-                   zero.reduce_scatter)
-        if zero.stage == 3:
-            return ZeroStage3(self.module, *common, *sharded, zero)
-        offload = zero.offload_optimizer
-        on_host = offload is not None and offload.device == "cpu"
-        return {1: ZeroStage1, 2: ZeroStage2}[zero.stage](
-            *common, *sharded, on_host, bool(on_host and offload.pin_memory))
+    def _build_strategy(self, trainable: List[torch.nn.Parameter]) -> Strategy:
+        cfg = self.config
+        averaging = ReduceSettings(self.world_size, cfg.gradient_allreduce_op,
+                                   cfg.prescale_gradients, cfg.gradient_predivide_factor,
+                                   cfg.comm_dtype())
+        return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
+                              self.world_size, self.global_rank)
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:
@@ -175,11 +165,24 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 log_dist_once("compile.enabled is true in the config but engine.compile() was "
                               "not called: the module runs eagerly. Call engine.compile() "
                               "after initialize().", ranks=[0])
-            with self._precision.autocast(self.device.type):
+            with self._precision.autocast(self.device.type), self._in_phase(Phase.FORWARD):
                 run = self._compiled if self._compiled is not None else self.module
                 outputs = run(*inputs, **kwargs)
             self._strategy.end_forward(grad_on)
             return self._hook_outputs(outputs) if grad_on else outputs
+
+    @contextlib.contextmanager
+    def _in_phase(self, phase: Phase) -> Iterator[None]:
+        """``phase`` for the duration of the block, when the engine was idle (a forward
+        that activation checkpointing re-runs inside backward stays in BACKWARD)."""
+        if self._phase is not Phase.IDLE:
+            yield
+            return
+        self._phase = phase
+        try:
+            yield
+        finally:
+            self._phase = Phase.IDLE
 
     def _prepare_inputs(self, inputs, kwargs):
         def move(x):
@@ -209,36 +212,41 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return outputs
 
     def _on_output_grad(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """Runs when backward reaches a model output: once per backward pass (one autograd
-        graph task) it enters the engine's backward; every output's gradient gets the loss
-        scale (which ``engine.backward`` applies to the loss itself instead)."""
+        """Runs when backward reaches a model output. The first output of a plain
+        ``loss.backward()`` starts the engine's backward there (one autograd graph task is
+        one pass); every output's gradient gets the loss scale, which ``engine.backward``
+        applies to the loss itself instead (its pass has factor 1)."""
         task = torch._C._current_graph_task_id()
-        if task != self._backward_task:
-            self._backward_task = task
-            self._backward_factor = self._enter_backward()
+        if self._phase is Phase.BACKWARD and self._backward_task in (None, task):
+            self._backward_task = task  # engine.backward's pass, or another of its outputs
+        else:
+            self._begin_backward(task, self._scaler.scale)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._backward_factor == 1.0 or grad is None:
             return None
         return grad * self._backward_factor
 
     # -- backward ---------------------------------------------------------------------------
 
-    def _should_reduce(self) -> bool:
-        return self._no_sync_depth == 0 and self.is_gradient_accumulation_boundary()
+    def _synchronising(self) -> bool:
+        """Whether the backward starting now averages gradients across ranks."""
+        return not self._no_sync and self.is_gradient_accumulation_boundary()
 
-    def _enter_backward(self) -> float:
-        """Called by the output hook as backward starts; returns the gradient factor."""
-        self._backward_calls += 1 if not self._in_engine_backward else 0
-        self._watch.backward_begin()
-        self._strategy.begin_backward()
-        if self._strategy.reduces_in_backward() and not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return 1.0 if self._in_engine_backward else self._scaler.scale
+    def _begin_backward(self, task: Optional[int], factor: float,
+                        loss: Optional[torch.Tensor] = None) -> None:
+        """A backward pass starts: from ``engine.backward`` (``task`` None, factor 1) or at
+        the first output hook of a plain ``loss.backward()``."""
+        self._phase = Phase.BACKWARD
+        self._backward_task, self._backward_factor = task, factor
+        self._backward_calls += 1
+        self._watch.backward_begin(loss)
+        self._strategy.begin_backward(sync=self._synchronising())
 
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
+    def _end_backward(self) -> None:
+        """The pass ended (after ``loss.backward()`` returned, or as autograd's callback)."""
         self._strategy.end_backward(self.gradient_accumulation_steps())
         self._watch.backward_end()
+        self._phase = Phase.IDLE
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -251,19 +259,16 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             the loss divided by ``gradient_accumulation_steps`` (detached), as DeepSpeed does.
         """
         self._require_optimizer("backward")
-        self._watch.backward_begin(loss)  # the monitors' loss and the backward timer
         gas = self.gradient_accumulation_steps()
         factor = self._scaler.scale * (1 if scale_wrt_gas else gas)
         with accelerator.range("shardtrain.backward"):
-            self._in_engine_backward = True
-            self._backward_calls += 1
+            self._begin_backward(None, 1.0, loss)
             try:
                 (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-            finally:
-                self._in_engine_backward = False
-            if self._strategy.reduces_in_backward():  # a loss not derived from the outputs
-                self._strategy.end_backward(gas)      # never ran the output hook
-        self._watch.backward_end()
+            except BaseException:
+                self._phase = Phase.IDLE
+                raise
+            self._end_backward()
         return loss.detach() / gas if scale_wrt_gas else loss.detach()
 
     @contextlib.contextmanager
@@ -278,33 +283,30 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 f"engine.no_sync() is not available at ZeRO stage {self._strategy.stage}: "
                 "gradients are reduce-scattered every micro-step so that no rank holds a full "
                 "gradient. Use gradient_accumulation_steps instead, or ZeRO stage 0 or 1.")
-        if self._no_sync_depth:
+        if self._no_sync:
             raise RuntimeError("engine.no_sync() is already active: no_sync() blocks do not "
                                "nest (DeepSpeed refuses it too); leave the outer block first.")
-        self._no_sync_depth += 1
+        self._no_sync = True
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self._no_sync = False
 
     # -- step -------------------------------------------------------------------------------
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Counts a micro-step; at the accumulation boundary also updates the parameters."""
         self._require_optimizer("step")
-        if self._no_sync_depth:
+        if self._no_sync:
             raise RuntimeError("engine.step() was called inside engine.no_sync(): leave the "
                                "no_sync() block for the last micro-batch before stepping.")
         with accelerator.range("shardtrain.step"):
             self._step_applied = False
-            self._inside_step = True
-            try:
+            with self._in_phase(Phase.STEP):
                 if self.is_gradient_accumulation_boundary():
                     self._take_model_step(lr_kwargs)
-                    self._watch.after_step()  # records, timer logs, profiles (monitor.py)
-            finally:
-                self._inside_step = False
-            self.micro_steps += 1
+                    self._watch.after_step()  # records, timer logs, profiles (telemetry)
+            self.train_state.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
         self._watch.step_begin()
@@ -312,7 +314,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._watch.lap("reduce")  # the gradient reduction still in flight has landed
         overflow = self._unscale_and_clip(grads)
         if overflow:
-            self.skipped_steps += 1
+            self.train_state.skipped_steps += 1
         else:
             self.optimizer.step()
             self._strategy.after_step()  # 16-bit copies refreshed, shards all-gathered
@@ -360,7 +362,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Raises:
             RuntimeError: off an accumulation boundary, or before any backward of this step.
         """
-        if not self.is_gradient_accumulation_boundary() or self._no_sync_depth:
+        if not self.is_gradient_accumulation_boundary() or self._no_sync:
             raise RuntimeError(f"{what}: the averaged gradients exist between the backward of an "
                                f"accumulation boundary and step(); micro-step {self.micro_steps} "
                                f"is not a boundary (or no_sync() is active).")
@@ -380,12 +382,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._strategy.zero_grads()
 
     def _advance_counters(self) -> None:
-        self.global_steps += 1
+        state = self.train_state
+        state.global_steps += 1
         if self.config.managed_gradient_accumulation:
-            self.global_samples += self.train_batch_size()
+            state.global_samples += self.train_batch_size()
         else:
             per_backward = self.train_batch_size() // self.gradient_accumulation_steps()
-            self.global_samples += per_backward * max(self._backward_calls, 1)
+            state.global_samples += per_backward * max(self._backward_calls, 1)
         self._backward_calls = 0
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
@@ -404,7 +407,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Drops the gradients accumulated since the last step."""
         self._clear_grads()
 
-    # -- monitoring (the rest lives in monitor.py) -------------------------------------------
+    # -- monitoring (the rest lives in telemetry/) -------------------------------------------
 
     def log_metrics(self, step: Optional[int] = None, **values: Any) -> None:
         """Writes ``values`` (numbers or one-element tensors) to the enabled monitors, rank 0.
@@ -427,11 +430,51 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             raise RuntimeError(f"engine.{what}() needs an optimizer: pass optimizer= to "
                                f"initialize() or add an 'optimizer' block to the config.")
 
+    # -- counters (DeepSpeed names; they live in ``train_state``) ----------------------------
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, skipped overflow steps included."""
+        return self.train_state.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.train_state.global_steps = int(value)
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by the steps taken, over all ranks."""
+        return self.train_state.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.train_state.global_samples = int(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on an fp16 overflow."""
+        return self.train_state.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.train_state.skipped_steps = int(value)
+
+    @property
+    def micro_steps(self) -> int:
+        """``step()`` calls so far (one per micro-batch)."""
+        return self.train_state.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.train_state.micro_steps = int(value)
+
     # -- queries (DeepSpeed names) ----------------------------------------------------------
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` updates the parameters (and the backward before it
+        averages gradients across ranks)."""
         if not self.config.managed_gradient_accumulation:
-            return self._inside_step
+            return self._phase is Phase.STEP
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -444,6 +487,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._boundary_override = bool(is_boundary)
 
     def get_lr(self) -> List[float]:
+        """Each param group's learning rate."""
         if self.optimizer is None:
             return []
         return [float(g.get("lr", 0.0)) for g in self.optimizer.param_groups]
@@ -466,6 +510,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     @property
     def dp_world_size(self) -> int:
+        """Ranks in the data-parallel group (DeepSpeed's attribute)."""
         return self.world_size
 
     def get_global_grad_norm(self) -> Optional[float]:
@@ -474,33 +519,80 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return self._global_grad_norm
 
     def was_step_applied(self) -> bool:
+        """Whether the last boundary ``step()`` updated the parameters (False after an fp16
+        overflow)."""
         return self._step_applied
 
     def get_loss_scale(self) -> float:
+        """The current loss scale (1 unless fp16)."""
         return self._scaler.scale
 
     @property
     def loss_scaler(self) -> LossScaler:
+        """The loss scaler (``state_dict``/``load_state_dict``; ``scale``)."""
         return self._scaler
 
     def train_batch_size(self) -> int:
+        """The global batch: micro-batch x accumulation steps x ranks."""
         return self.config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward."""
         return self.config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
         return self.config.gradient_accumulation_steps
 
     def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
         return self._strategy.stage
+
+    @property
+    def monitor(self) -> StepWatch:
+        """What the engine reports each step to (read-only): the configured monitors,
+        timers and profilers. ``monitor.summary()`` is the last loss, learning rate and
+        throughput; ``monitor.close()`` flushes and closes the metric files."""
+        return self._watch
+
+    @property
+    def strategy(self) -> Strategy:
+        """The ZeRO strategy (read-only): where model states live and how they move. The
+        engine calls the members of :class:`shardtrain.zero.strategy.StrategyProtocol`;
+        ``strategy.stats()`` and ``strategy.units()`` are for diagnostics."""
+        return self._strategy
+
+    def optimizer_slots(self) -> List[ParamSlot]:
+        """What this rank's optimizer holds of each trainable parameter: its slice
+        ``[lo, hi)`` of the flattened parameter and the tensor the optimizer updates (see
+        :class:`shardtrain.zero.strategy.ParamSlot`); checkpoints read the model states
+        through these."""
+        return self._strategy.slots()
+
+    def training_parts(self) -> TrainingParts:
+        """The engine's stateful parts (references): the module, optimizer, what the
+        optimizer holds of each parameter, scheduler, loss scaler, data loader, counters,
+        precision and config. Checkpoints save and restore the engine through these alone.
+
+        Example:
+            >>> parts = engine.training_parts()
+            >>> parts.train_state.global_steps, [s.hi - s.lo for s in parts.slots]
+        """
+        return TrainingParts(
+            module=self.module, optimizer=self.optimizer, slots=self._strategy.slots(),
+            lr_scheduler=self.lr_scheduler, loss_scaler=self._scaler,
+            dataloader=self.training_dataloader, train_state=self.train_state,
+            precision=self._precision, config=self.config,
+            zero_stage=self._strategy.stage,
+            gradient_accumulation_steps=self.gradient_accumulation_steps(), device=self.device)
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this rank holds: parameters, gradients, optimizer states
         and master weights, each distinct storage counted once."""
-        params = list(self.module.parameters()) + self._strategy.param_storage()
-        grads = [p.grad for p in params if p.grad is not None] + self._strategy.state_tensors()
-        masters = self._strategy.master_tensors()
+        held = self._strategy.held_tensors()
+        params = list(self.module.parameters()) + held["params"]
+        grads = [p.grad for p in params if p.grad is not None] + held["grads"]
+        masters = held["master"]
         states = [v for s in (self.optimizer.state.values() if self.optimizer else [])
                   for v in s.values() if isinstance(v, torch.Tensor)]
         return count_bytes({"params": params, "grads": grads, "master": masters,

@@ -20,7 +20,8 @@ from .telemetry import (CSVMonitor, JSONLinesMonitor, Progress, StepWatch, Tenso
                         build_watch, plot_run, read_metrics)
 
 __all__ = ["Progress", "StepWatch", "build_watch", "JSONLinesMonitor", "CSVMonitor",
-           "TensorBoardMonitor", "read_metrics", "plot_run", "plot_main", "add_plot_parser"]
+           "TensorBoardMonitor", "read_metrics", "plot_run",
+           "plot_main", "add_plot_parser"]  # noqa: F822 (the command's functions load on first use)
 
 #: Old name -> its name in :mod:`shardtrain.cli._plot`.
 _COMMAND_NAMES = {"plot_main": "plot_main", "build_plot_parser": "build_plot_parser",

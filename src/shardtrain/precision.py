@@ -18,6 +18,8 @@ from typing import Dict, Optional
 
 import torch
 
+__all__ = ["Precision", "LossScaler", "build_loss_scaler"]
+
 logger = logging.getLogger("shardtrain")
 
 
@@ -90,7 +92,13 @@ class Precision:
 
     @property
     def master_weights(self) -> bool:
+        """16-bit module parameters: the optimizer updates fp32 master copies."""
         return self.param_dtype != torch.float32
+
+    @property
+    def scales_loss(self) -> bool:
+        """fp16 in the module or under autocast: the loss is scaled (and overflows skip)."""
+        return torch.float16 in (self.param_dtype, self.autocast_dtype)
 
     @classmethod
     def from_config(cls, cfg, device_type: str) -> "Precision":
@@ -120,8 +128,7 @@ class Precision:
 
 def build_loss_scaler(cfg, precision: Precision) -> LossScaler:
     """fp16 (and fp16 autocast) get a loss scale; everything else a constant 1."""
-    uses_fp16 = precision.param_dtype == torch.float16 or precision.autocast_dtype == torch.float16
-    if not uses_fp16:
+    if not precision.scales_loss:
         return LossScaler()
     fp16 = cfg.fp16
     if fp16.loss_scale > 0:

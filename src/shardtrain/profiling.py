@@ -20,19 +20,22 @@ from typing import Any
 
 # AutotuneError, PEAK_TFLOPS_ENV, memory_budget_from_env and write_json were never in __all__
 # but were reachable here; they still are.
-from .autotune import (MEMORY_BUDGET_ENV, AutotuneError, AutotuneResult, OutOfMemoryError,
-                       StageFit, Trial, TuningProbe, autotune, format_trials,
-                       memory_budget_from_env, model_info_record, parse_size, stage_fits)
-from .autotune._json import write_json
-from .telemetry import (PEAK_TFLOPS_ENV, ActivationMemory, FlopsProfile, FlopsProfiler, ModuleCost,
-                        SavedTensorMeter, Timers, measure_activation_memory, peak_flops)
+from .autotune import AutotuneError as AutotuneError
+from .autotune import (MEMORY_BUDGET_ENV, AutotuneResult, OutOfMemoryError, StageFit, Trial,
+                       TuningProbe, autotune, format_trials, model_info_record, parse_size,
+                       stage_fits)
+from .autotune import memory_budget_from_env as memory_budget_from_env
+from .autotune._json import write_json as write_json
+from .telemetry import PEAK_TFLOPS_ENV as PEAK_TFLOPS_ENV
+from .telemetry import (ActivationMemory, FlopsProfile, FlopsProfiler, ModuleCost, SavedTensorMeter,
+                        Timers, measure_activation_memory, peak_flops)
 
 __all__ = [
     "SavedTensorMeter", "ActivationMemory", "measure_activation_memory", "Timers",
     "FlopsProfiler", "FlopsProfile", "ModuleCost", "peak_flops", "OutOfMemoryError",
     "MEMORY_BUDGET_ENV", "StageFit", "stage_fits", "autotune", "AutotuneResult", "Trial",
-    "autotune_main", "parse_size", "TuningProbe", "model_info_record", "format_trials",
-    "add_autotune_parser",
+    "autotune_main", "parse_size", "TuningProbe", "model_info_record", "format_trials",  # noqa: F822
+    "add_autotune_parser",  # noqa: F822 (the command's functions are loaded on first use)
 ]
 
 #: Old name -> its name in :mod:`shardtrain.cli._autotune`.

@@ -1,4 +1,4 @@
-"""Applying a load: what was read goes into the engine, and nothing can fail any more.
+"""Applying a load: what was read goes into the parts, and nothing can fail any more.
 
 By the time :func:`apply` runs, every rank has read and checked everything it will apply
 (:class:`Loaded`) and every rank has agreed that it could. So applying makes no reads and no
@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from ..log import logger
 from . import _engine_state as engine_state
+from ..state import TrainingParts
 from ._format import decode
 
-if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
-    from ..engine import Engine
 
 __all__ = ["LoadOptions", "Loaded", "apply"]
 
@@ -45,45 +44,45 @@ class Loaded:
     client: Dict[str, Any] = field(default_factory=dict)
 
 
-def apply(engine: "Engine", meta: Dict[str, Any], loaded: Loaded, options: LoadOptions) -> None:
-    _apply_module(engine, loaded)
-    _apply_masters(engine, loaded)
-    if options.optimizer and engine_state.optimizer(engine) is not None:
-        _apply_optimizer(engine, meta, loaded)
+def apply(parts: TrainingParts, meta: Dict[str, Any], loaded: Loaded, options: LoadOptions) -> None:
+    _apply_module(parts, loaded)
+    _apply_masters(parts, loaded)
+    if options.optimizer and engine_state.optimizer(parts) is not None:
+        _apply_optimizer(parts, meta, loaded)
     if options.scheduler:
-        _apply_scheduler(engine, meta)
+        _apply_scheduler(parts, meta)
     if not options.module_only:
-        _apply_training_state(engine, meta, options)
-        _apply_rng(engine, loaded)
+        _apply_training_state(parts, meta, options)
+        _apply_rng(parts, loaded)
 
 
-def _apply_module(engine: "Engine", loaded: Loaded) -> None:
-    params = dict(engine_state.named_params(engine))
+def _apply_module(parts: TrainingParts, loaded: Loaded) -> None:
+    params = dict(engine_state.named_params(parts))
     for name, full in loaded.params.items():
-        engine_state.set_param(engine, params[name], full)
+        engine_state.set_param(params[name], full)
     for name, shard in loaded.shards.items():
-        engine_state.set_shard(engine, params[name], shard)
-    buffers = dict(engine_state.named_buffers(engine))
+        engine_state.set_shard(params[name], shard)
+    buffers = dict(engine_state.named_buffers(parts))
     with torch.no_grad():
         for name, value in loaded.buffers.items():
             buffers[name].copy_(value.reshape(buffers[name].shape))
 
 
 @torch.no_grad()
-def _apply_masters(engine: "Engine", loaded: Loaded) -> None:
+def _apply_masters(parts: TrainingParts, loaded: Loaded) -> None:
     """The optimizer's copies of the weights: the saved fp32 masters when optimizer states
     were loaded, else rebuilt from the module's (just loaded) weights, as DeepSpeed does."""
-    for name, t in engine_state.trainables(engine).items():
-        if not t.is_copy(engine):
+    for name, t in engine_state.trainables(parts).items():
+        if not t.is_copy:
             continue
         master = loaded.masters.get(name)
         if master is None:
-            master = engine_state.param_range(engine, t.param, t.lo, t.hi).float()
+            master = engine_state.param_range(t.param, t.lo, t.hi).float()
         t.tensor.copy_(master.reshape(t.tensor.shape))
 
 
-def _apply_optimizer(engine: "Engine", meta: Dict[str, Any], loaded: Loaded) -> None:
-    opt = engine_state.optimizer(engine)
+def _apply_optimizer(parts: TrainingParts, meta: Dict[str, Any], loaded: Loaded) -> None:
+    opt = engine_state.optimizer(parts)
     saved = meta.get("optimizer")
     if saved is not None:
         for group, hyper in zip(opt.param_groups, saved["groups"]):
@@ -92,7 +91,7 @@ def _apply_optimizer(engine: "Engine", meta: Dict[str, Any], loaded: Loaded) -> 
                     group[key].copy_(value)  # a tensor lr is updated in place, as it was built
                 else:
                     group[key] = value
-    for name, t in engine_state.trainables(engine).items():
+    for name, t in engine_state.trainables(parts).items():
         if t.tensor is None:
             continue
         if name in loaded.states:
@@ -101,8 +100,8 @@ def _apply_optimizer(engine: "Engine", meta: Dict[str, Any], loaded: Loaded) -> 
             opt.state.pop(t.tensor, None)
 
 
-def _apply_scheduler(engine: "Engine", meta: Dict[str, Any]) -> None:
-    saved, sched = meta.get("lr_scheduler"), engine_state.lr_scheduler(engine)
+def _apply_scheduler(parts: TrainingParts, meta: Dict[str, Any]) -> None:
+    saved, sched = meta.get("lr_scheduler"), engine_state.lr_scheduler(parts)
     if saved is None or sched is None:
         return
     if saved["class"] != type(sched).__name__:
@@ -112,19 +111,19 @@ def _apply_scheduler(engine: "Engine", meta: Dict[str, Any]) -> None:
     sched.load_state_dict(decode(saved["state"]))
 
 
-def _apply_training_state(engine: "Engine", meta: Dict[str, Any],
+def _apply_training_state(parts: TrainingParts, meta: Dict[str, Any],
                           options: LoadOptions) -> None:
     """Counters, the loss scale (with the optimizer states) and the data position."""
-    engine_state.restore_counters(engine, meta["counters"])
+    engine_state.restore_counters(parts, meta["counters"])
     if options.optimizer and meta["precision"]["loss_scaling"] == engine_state.precision(
-            engine)["loss_scaling"]:
-        engine_state.loss_scaler(engine).load_state_dict(meta["loss_scaler"])
-    loader, position = engine_state.data_loader(engine), meta.get("data_sampler")
+            parts)["loss_scaling"]:
+        engine_state.loss_scaler(parts).load_state_dict(meta["loss_scaler"])
+    loader, position = engine_state.data_loader(parts), meta.get("data_sampler")
     if loader is not None and position is not None:
         loader.load_state_dict(position)
 
 
-def _apply_rng(engine: "Engine", loaded: Loaded) -> None:
+def _apply_rng(parts: TrainingParts, loaded: Loaded) -> None:
     """RNG states of the rank that saved them; a rank the saving world did not have keeps its
     own (there is nothing to resume for it)."""
     if loaded.rank_json is None:
@@ -135,6 +134,6 @@ def _apply_rng(engine: "Engine", loaded: Loaded) -> None:
     np.random.set_state((state["kind"], np.array(state["keys"], dtype=np.uint32), state["pos"],
                          state["has_gauss"], state["cached_gaussian"]))
     torch.set_rng_state(loaded.rank_tensors["rng/torch"])
-    device = engine_state.device_rng(engine)
+    device = engine_state.device_rng(parts)
     if device is not None and "rng/device" in loaded.rank_tensors:
         device.set_rng_state(loaded.rank_tensors["rng/device"])

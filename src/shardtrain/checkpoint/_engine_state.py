@@ -1,10 +1,10 @@
-"""What a checkpoint reads from the engine and writes back into it: the one module that knows
-where the engine keeps it.
+"""What a checkpoint reads from the engine and writes back into it.
 
-Every other module of the package reaches the engine through these functions, so that the
-engine's side of a checkpoint is this short list: the module and its parameters, the strategy's
-view of what the optimizer updates, the optimizer, the scheduler, the loss scaler, the data
-loader, the counters, the precision, the config and the device.
+A checkpoint sees the engine only through :class:`shardtrain.state.TrainingParts` (what
+``engine.training_parts()`` returns): the module, what the optimizer holds of each trainable
+parameter, the optimizer, the scheduler, the loss scaler, the data loader, the counters, the
+precision, the config and the device. This module is the one that reads those parts; every
+other module of the package goes through its functions.
 
 Stages 0-2 keep every module parameter whole on every rank. Stage 3 keeps only a shard of a
 partitioned parameter (the full shape in ``ds_shape``), which is exactly the even shard a rank
@@ -13,17 +13,16 @@ file holds; any other range is gathered (a collective: every rank asks for it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import comm
+from ..state import TrainingParts
 from ..zero._params import GatheredParameters, is_partitioned
 from ..zero._shards import shard_range
 from ._format import dtype_name
 
-if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
-    from ..engine import Engine
 
 __all__ = [
     "Trainable", "shape", "numel", "own_shard", "param_range", "set_param", "set_shard",
@@ -50,9 +49,8 @@ def own_shard(p: torch.Tensor) -> Optional[Tuple[int, int]]:
     return shard_range(p.ds_numel, comm.get_world_size(), comm.get_rank())
 
 
-def param_range(engine: "Engine", p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+def param_range(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements [lo, hi) of the full flattened parameter (a view where possible)."""
-    del engine
     own = own_shard(p)
     if own is None:
         return p.detach().reshape(-1)[lo:hi]
@@ -63,10 +61,9 @@ def param_range(engine: "Engine", p: torch.Tensor, lo: int, hi: int) -> torch.Te
 
 
 @torch.no_grad()
-def set_param(engine: "Engine", p: torch.Tensor, full: torch.Tensor) -> None:
+def set_param(p: torch.Tensor, full: torch.Tensor) -> None:
     """Writes the full parameter ``full`` (1-D, any dtype) into the module (at stage 3,
     into this rank's shard of it)."""
-    del engine
     own = own_shard(p)
     if own is None:
         p.data.copy_(full.reshape(p.shape))
@@ -76,9 +73,8 @@ def set_param(engine: "Engine", p: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def set_shard(engine: "Engine", p: torch.Tensor, shard: torch.Tensor) -> None:
+def set_shard(p: torch.Tensor, shard: torch.Tensor) -> None:
     """Writes this rank's shard (1-D) of a partitioned parameter."""
-    del engine
     p.ds_tensor[: shard.numel()].copy_(shard)
 
 
@@ -91,6 +87,7 @@ class Trainable:
     lo: int          # [lo, hi): the optimizer's slice of the flattened parameter on this rank
     hi: int
     tensor: Optional[torch.Tensor]  # the optimizer's tensor (None when the slice is empty)
+    is_copy: bool    # the optimizer updates a copy of the slice: a load must set it too
 
     @property
     def has_master(self) -> bool:
@@ -98,115 +95,92 @@ class Trainable:
         module's own weights (and so the only one saved)."""
         return self.tensor is not None and self.param.dtype != torch.float32
 
-    def is_copy(self, engine: "Engine") -> bool:
-        """The optimizer updates a copy of the slice (a master, or a host copy when the
-        optimizer is offloaded), not the parameter's own memory: a load must set it too."""
-        if self.tensor is None:
-            return False
-        own = param_range(engine, self.param, self.lo, self.hi)
-        return not (self.tensor.device == own.device and self.tensor.dtype == own.dtype
-                    and self.tensor.data_ptr() == own.data_ptr())
+
+def named_params(parts: TrainingParts) -> List[Tuple[str, torch.nn.Parameter]]:
+    return list(parts.module.named_parameters())  # tied weights appear once
 
 
-def named_params(engine: "Engine") -> List[Tuple[str, torch.nn.Parameter]]:
-    return list(engine.module.named_parameters())  # tied weights appear once
+def named_buffers(parts: TrainingParts) -> List[Tuple[str, torch.Tensor]]:
+    persistent = set(parts.module.state_dict(keep_vars=True))  # non-persistent ones are not
+    return [(n, b) for n, b in parts.module.named_buffers() if n in persistent]
 
 
-def named_buffers(engine: "Engine") -> List[Tuple[str, torch.Tensor]]:
-    persistent = set(engine.module.state_dict(keep_vars=True))  # non-persistent ones are not
-    return [(n, b) for n, b in engine.module.named_buffers() if n in persistent]
+def trainables(parts: TrainingParts) -> Dict[str, Trainable]:
+    slots = {id(slot.param): slot for slot in parts.slots}
+    return {name: Trainable(name, p, slot.lo, slot.hi, slot.tensor, slot.is_copy)
+            for name, p in named_params(parts) for slot in [slots.get(id(p))] if slot is not None}
 
 
-def trainables(engine: "Engine") -> Dict[str, Trainable]:
-    view = engine._strategy.view
-    index = {id(p): i for i, p in enumerate(view.params)}
-    out = {}
-    for name, p in named_params(engine):
-        if id(p) in index:
-            i = index[id(p)]
-            lo, hi = view.slices[i]
-            out[name] = Trainable(name, p, lo, hi, view.tensors[i])
-    return out
-
-
-def aliases(engine: "Engine") -> Dict[str, str]:
+def aliases(parts: TrainingParts) -> Dict[str, str]:
     """state_dict names that are another name's tensor (tied weights) -> that name."""
-    canon = {id(t): n for n, t in named_params(engine) + named_buffers(engine)}
-    return {k: canon[id(v)] for k, v in engine.module.state_dict(keep_vars=True).items()
+    canon = {id(t): n for n, t in named_params(parts) + named_buffers(parts)}
+    return {k: canon[id(v)] for k, v in parts.module.state_dict(keep_vars=True).items()
             if canon.get(id(v), k) != k}
 
 
-def any_partitioned(engine: "Engine") -> bool:
-    return any(is_partitioned(p) for p in engine.module.parameters())
+def any_partitioned(parts: TrainingParts) -> bool:
+    return any(is_partitioned(p) for p in parts.module.parameters())
 
 
 # -- training state -----------------------------------------------------------------------------
 
-def zero_stage(engine: "Engine") -> int:
-    return engine.zero_optimization_stage()
+def zero_stage(parts: TrainingParts) -> int:
+    return parts.zero_stage
 
 
-def check_stage(engine: "Engine", what: str) -> None:
-    if engine.zero_optimization_stage() not in (0, 1, 2, 3):
-        raise NotImplementedError(f"{what} at ZeRO stage {engine.zero_optimization_stage()} "
-                                  "is not supported.")
+def check_stage(parts: TrainingParts, what: str) -> None:
+    if parts.zero_stage not in (0, 1, 2, 3):
+        raise NotImplementedError(f"{what} at ZeRO stage {parts.zero_stage} is not supported.")
 
 
-def global_steps(engine: "Engine") -> int:
-    return engine.global_steps
+def global_steps(parts: TrainingParts) -> int:
+    return parts.train_state.global_steps
 
 
-def counters(engine: "Engine") -> Dict[str, int]:
-    return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
-            "gradient_accumulation_steps": engine.gradient_accumulation_steps()}
+def counters(parts: TrainingParts) -> Dict[str, int]:
+    return dict(parts.train_state.state_dict(),
+                gradient_accumulation_steps=parts.gradient_accumulation_steps)
 
 
-def restore_counters(engine: "Engine", saved: Dict[str, Any]) -> None:
+def restore_counters(parts: TrainingParts, saved: Dict[str, Any]) -> None:
     """The counters of :func:`counters`, as a checkpoint saved them."""
-    engine.global_steps = int(saved["global_steps"])
-    engine.global_samples = int(saved["global_samples"])
-    engine.skipped_steps = int(saved["skipped_steps"])
-    gas = engine.gradient_accumulation_steps()
-    # The next micro-step's place in the accumulation cycle; a new gas restarts the cycle.
-    same_gas = int(saved.get("gradient_accumulation_steps", gas)) == gas
-    engine.micro_steps = int(saved["micro_steps"]) if same_gas else engine.global_steps * gas
+    parts.train_state.load_state_dict(saved, parts.gradient_accumulation_steps)
 
 
-def tag_validation(engine: "Engine") -> str:
-    return engine.config.checkpoint.tag_validation
+def tag_validation(parts: TrainingParts) -> str:
+    return parts.config.checkpoint.tag_validation
 
 
-def config_dict(engine: "Engine") -> Dict[str, Any]:
-    return engine.config.to_dict()
+def config_dict(parts: TrainingParts) -> Dict[str, Any]:
+    return parts.config.to_dict()
 
 
-def precision(engine: "Engine") -> Dict[str, Any]:
+def precision(parts: TrainingParts) -> Dict[str, Any]:
     """The dtypes of the run, and whether it scales the loss (fp16)."""
-    policy = engine._precision
+    policy = parts.precision
     autocast = policy.autocast_dtype
     return {"param_dtype": dtype_name(policy.param_dtype),
             "autocast_dtype": dtype_name(autocast) if autocast is not None else None,
-            "loss_scaling": torch.float16 in (policy.param_dtype, autocast)}
+            "loss_scaling": policy.scales_loss}
 
 
-def optimizer(engine: "Engine") -> Optional[torch.optim.Optimizer]:
-    return engine.optimizer
+def optimizer(parts: TrainingParts) -> Optional[torch.optim.Optimizer]:
+    return parts.optimizer
 
 
-def lr_scheduler(engine: "Engine") -> Any:
-    return engine.lr_scheduler
+def lr_scheduler(parts: TrainingParts) -> Any:
+    return parts.lr_scheduler
 
 
-def loss_scaler(engine: "Engine") -> Any:
-    return engine.loss_scaler
+def loss_scaler(parts: TrainingParts) -> Any:
+    return parts.loss_scaler
 
 
-def data_loader(engine: "Engine") -> Any:
-    return engine.training_dataloader
+def data_loader(parts: TrainingParts) -> Any:
+    return parts.dataloader
 
 
-def device_rng(engine: "Engine") -> Any:
+def device_rng(parts: TrainingParts) -> Any:
     """The device's RNG module, or None where torch's CPU generator is the only one."""
-    module = torch.get_device_module(engine.device)
+    module = torch.get_device_module(parts.device)
     return module if hasattr(module, "get_rng_state") else None

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import comm
+from ..state import TrainingParts
 from ..log import logger
 from . import _engine_state as engine_state
 from ._agreement import Problem, agree, capture, corrupted
@@ -28,21 +29,21 @@ from ._engine_state import Trainable
 from ._format import LATEST, META, decode, rank_file
 from ._reading import Reader, entry_for, module_key, read_json, read_meta, resolve
 
-if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
-    from ..engine import Engine
 
 __all__ = ["load_checkpoint"]
 
 
-def load_checkpoint(engine: "Engine", load_dir: str, tag: Optional[str] = None,
+def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None,
                     load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False
                     ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     """Loads a checkpoint saved on any world size and stage; call it on all ranks.
 
-    See :meth:`shardtrain.Engine.load_checkpoint` for the arguments.
+    ``engine`` is read and restored through ``engine.training_parts()`` only. See
+    :meth:`shardtrain.Engine.load_checkpoint` for the arguments.
     """
-    engine_state.check_stage(engine, "load_checkpoint")
+    parts: TrainingParts = engine.training_parts()
+    engine_state.check_stage(parts, "load_checkpoint")
     load_dir = os.fspath(load_dir)
     options = LoadOptions(load_module_strict, load_optimizer_states and not load_module_only,
                           load_lr_scheduler_states and not load_module_only, load_module_only)
@@ -51,8 +52,8 @@ def load_checkpoint(engine: "Engine", load_dir: str, tag: Optional[str] = None,
         logger.warning("load_checkpoint: %s has no 'latest' file; nothing loaded. Pass tag= "
                        "to choose a checkpoint.", os.path.join(load_dir, LATEST))
         return None, None
-    loaded = _read_and_check(engine, load_dir, found, tag_dir, meta, options)
-    apply(engine, meta, loaded, options)
+    loaded = _read_and_check(parts, load_dir, found, tag_dir, meta, options)
+    apply(parts, meta, loaded, options)
     return tag_dir, loaded.client
 
 
@@ -67,7 +68,7 @@ def _locate(load_dir: str, tag: Optional[str]
     return agree(box[0], tag_dir), tag_dir, meta
 
 
-def _read_and_check(engine: "Engine", load_dir: str, found: List[Optional[str]],
+def _read_and_check(parts: TrainingParts, load_dir: str, found: List[Optional[str]],
                     tag_dir: Optional[str], meta: Optional[Dict[str, Any]],
                     options: LoadOptions) -> Loaded:
     """Everything this rank will apply; raises on every rank if any rank cannot load."""
@@ -80,7 +81,7 @@ def _read_and_check(engine: "Engine", load_dir: str, found: List[Optional[str]],
                                       "the same checkpoint directory.")
         reader = Reader(tag_dir, meta, stack)
         _verify_share(reader, meta)
-        loaded = _read_everything(engine, meta, reader, options)
+        loaded = _read_everything(parts, meta, reader, options)
     agree(box[0])
     return loaded
 
@@ -94,16 +95,16 @@ def _verify_share(reader: Reader, meta: Dict[str, Any]) -> None:
             reader.verify(name)
 
 
-def _read_everything(engine: "Engine", meta: Dict[str, Any], reader: Reader,
+def _read_everything(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
                      options: LoadOptions) -> Loaded:
     try:
-        _check_model(engine, meta, reader.path(META), options.strict)
+        _check_model(parts, meta, reader.path(META), options.strict)
         loaded = Loaded()
-        _read_module(engine, meta, reader, loaded)
-        _check_sampler(engine, meta, reader.path(META), options)
-        if options.optimizer and engine_state.optimizer(engine) is not None:
-            _check_optimizer(engine, meta, reader.path(META))
-            _read_optimizer(engine, meta, reader, loaded)
+        _read_module(parts, meta, reader, loaded)
+        _check_sampler(parts, meta, reader.path(META), options)
+        if options.optimizer and engine_state.optimizer(parts) is not None:
+            _check_optimizer(parts, meta, reader.path(META))
+            _read_optimizer(parts, meta, reader, loaded)
         _read_rank_files(meta, reader, loaded)
         return loaded
     except (KeyError, TypeError, IndexError) as error:  # a meta.json of the wrong layout
@@ -112,12 +113,12 @@ def _read_everything(engine: "Engine", meta: Dict[str, Any], reader: Reader,
 
 # -- the model ----------------------------------------------------------------------------------
 
-def _check_model(engine: "Engine", meta: Dict[str, Any], where: str, strict: bool) -> None:
+def _check_model(parts: TrainingParts, meta: Dict[str, Any], where: str, strict: bool) -> None:
     """Names and shapes: a checkpoint of another model is refused before anything is read."""
     ckpt_dir = os.path.dirname(where)
     for kind, saved, current in (
-            ("parameter", meta["params"], dict(engine_state.named_params(engine))),
-            ("buffer", meta["buffers"], dict(engine_state.named_buffers(engine)))):
+            ("parameter", meta["params"], dict(engine_state.named_params(parts))),
+            ("buffer", meta["buffers"], dict(engine_state.named_buffers(parts)))):
         for name, entry in saved.items():
             if name in current and list(entry["shape"]) != engine_state.shape(current[name]):
                 raise Problem(ValueError, (
@@ -135,9 +136,9 @@ def _check_model(engine: "Engine", meta: Dict[str, Any], where: str, strict: boo
                 "model; pass load_module_strict=False to load the names both have."))
 
 
-def _read_module(engine: "Engine", meta: Dict[str, Any], reader: Reader,
+def _read_module(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
                  loaded: Loaded) -> None:
-    for name, p in engine_state.named_params(engine):
+    for name, p in engine_state.named_params(parts):
         entry = meta["params"].get(name)
         if entry is None:
             continue
@@ -149,15 +150,15 @@ def _read_module(engine: "Engine", meta: Dict[str, Any], reader: Reader,
             continue
         full = reader.read(key, entry_for(entry, key), 0, engine_state.numel(p))
         loaded.params[name] = full.to(p.dtype)
-    for name, b in engine_state.named_buffers(engine):
+    for name, b in engine_state.named_buffers(parts):
         if name in meta["buffers"]:
             entry = meta["buffers"][name]
             loaded.buffers[name] = reader.read(f"buffer/{name}", entry, 0, b.numel()).to(b.dtype)
 
 
-def _check_sampler(engine: "Engine", meta: Dict[str, Any], where: str,
+def _check_sampler(parts: TrainingParts, meta: Dict[str, Any], where: str,
                    options: LoadOptions) -> None:
-    loader, position = engine_state.data_loader(engine), meta.get("data_sampler")
+    loader, position = engine_state.data_loader(parts), meta.get("data_sampler")
     if options.module_only or loader is None or position is None:
         return
     if int(position["dataset_len"]) != len(loader.dataset):
@@ -169,11 +170,11 @@ def _check_sampler(engine: "Engine", meta: Dict[str, Any], where: str,
 
 # -- the optimizer ------------------------------------------------------------------------------
 
-def _check_optimizer(engine: "Engine", meta: Dict[str, Any], where: str) -> None:
+def _check_optimizer(parts: TrainingParts, meta: Dict[str, Any], where: str) -> None:
     saved = meta.get("optimizer")
     if saved is None:
         return
-    current = engine_state.optimizer(engine)
+    current = engine_state.optimizer(parts)
     if saved["class"] != type(current).__name__:
         raise Problem(ValueError, (
             f"{where}: the checkpoint's optimizer is {saved['class']} but the engine's is "
@@ -186,10 +187,10 @@ def _check_optimizer(engine: "Engine", meta: Dict[str, Any], where: str) -> None
             "groups, or pass load_optimizer_states=False."))
 
 
-def _read_optimizer(engine: "Engine", meta: Dict[str, Any], reader: Reader,
+def _read_optimizer(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
                     loaded: Loaded) -> None:
     """This rank's optimizer slice [lo, hi) of each master and per-element state."""
-    for name, t in engine_state.trainables(engine).items():
+    for name, t in engine_state.trainables(parts).items():
         entry = meta["params"].get(name)
         if t.tensor is None or entry is None:
             continue
@@ -199,12 +200,12 @@ def _read_optimizer(engine: "Engine", meta: Dict[str, Any], reader: Reader,
                                                ).to(torch.float32)
         state = entry.get("state")
         if state is not None:
-            loaded.states[name] = _read_state(engine, reader, name, entry, t)
+            loaded.states[name] = _read_state(parts, reader, name, entry, t)
 
 
-def _read_state(engine: "Engine", reader: Reader, name: str, entry: Dict[str, Any],
+def _read_state(parts: TrainingParts, reader: Reader, name: str, entry: Dict[str, Any],
                 t: Trainable) -> Dict[str, Any]:
-    group = _group_of(engine, t.tensor)
+    group = _group_of(parts, t.tensor)
     on_device = bool(group.get("capturable") or group.get("fused")) if group else False
     state: Dict[str, Any] = {}
     for key, dtype in entry["state"]["tensors"].items():
@@ -220,8 +221,8 @@ def _read_state(engine: "Engine", reader: Reader, name: str, entry: Dict[str, An
     return state
 
 
-def _group_of(engine: "Engine", tensor: torch.Tensor) -> Optional[Dict[str, Any]]:
-    for group in engine_state.optimizer(engine).param_groups:
+def _group_of(parts: TrainingParts, tensor: torch.Tensor) -> Optional[Dict[str, Any]]:
+    for group in engine_state.optimizer(parts).param_groups:
         if any(x is tensor for x in group["params"]):
             return group
     return None

@@ -1,6 +1,6 @@
 """meta.json: the description of a checkpoint that every reader starts from.
 
-Rank 0 writes it, last, from what it sees of the engine: everything but the tensors (format,
+Rank 0 writes it, last, from what it sees of the parts: everything but the tensors (format,
 world size, stage, precision, config, counters, the optimizer's hyperparameters and scalar
 states, the scheduler, the loss scaler, the data position), and for every tensor its shape,
 dtype and the pieces of its flattened elements each rank file holds. Rank 0 holds a non-empty
@@ -9,18 +9,17 @@ slice of every parameter, so it sees every parameter's scalar optimizer states (
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import comm
+from ..state import TrainingParts
 from ..zero._shards import shard_range
 from . import _engine_state as engine_state
 from ._engine_state import Trainable
 from ._format import FORMAT, FORMAT_VERSION, Piece, dtype_name, encode
 
-if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
-    from ..engine import Engine
 
 __all__ = ["describe", "elementwise"]
 
@@ -30,30 +29,30 @@ def elementwise(value: Any, tensor: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == tensor.shape
 
 
-def describe(engine: "Engine", trainables: Dict[str, Trainable],
+def describe(parts: TrainingParts, trainables: Dict[str, Trainable],
              exclude_frozen: bool) -> Dict[str, Any]:
     """meta.json without the tag and the files' sizes and CRC32s (rank 0 adds them last)."""
     world = comm.get_world_size()
-    params, excluded = _params_meta(engine, trainables, exclude_frozen, world)
+    params, excluded = _params_meta(parts, trainables, exclude_frozen, world)
     buffers = {n: _tensor_meta(b, [(0, 0, b.numel())] if b.numel() else [])
-               for n, b in engine_state.named_buffers(engine)}
+               for n, b in engine_state.named_buffers(parts)}
     return {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world,
-            "zero_stage": engine_state.zero_stage(engine),
-            "precision": engine_state.precision(engine), "config": engine_state.config_dict(engine),
-            "counters": engine_state.counters(engine), "params": params, "buffers": buffers,
-            "aliases": engine_state.aliases(engine), "excluded_frozen": excluded,
-            "optimizer": _optimizer_meta(engine), "lr_scheduler": _scheduler_meta(engine),
-            "loss_scaler": engine_state.loss_scaler(engine).state_dict(),
-            "data_sampler": _sampler_meta(engine)}
+            "zero_stage": engine_state.zero_stage(parts),
+            "precision": engine_state.precision(parts), "config": engine_state.config_dict(parts),
+            "counters": engine_state.counters(parts), "params": params, "buffers": buffers,
+            "aliases": engine_state.aliases(parts), "excluded_frozen": excluded,
+            "optimizer": _optimizer_meta(parts), "lr_scheduler": _scheduler_meta(parts),
+            "loss_scaler": engine_state.loss_scaler(parts).state_dict(),
+            "data_sampler": _sampler_meta(parts)}
 
 
-def _params_meta(engine: "Engine", trainables: Dict[str, Trainable], exclude_frozen: bool,
+def _params_meta(parts: TrainingParts, trainables: Dict[str, Trainable], exclude_frozen: bool,
                  world: int) -> Tuple[Dict[str, Any], List[str]]:
     """Every parameter's entry, and the names of the frozen ones left out."""
     params, excluded = {}, []
-    for name, p in engine_state.named_params(engine):
+    for name, p in engine_state.named_params(parts):
         if name in trainables:
-            params[name] = _trainable_meta(engine, trainables[name], world)
+            params[name] = _trainable_meta(parts, trainables[name], world)
         elif exclude_frozen:
             excluded.append(name)
         else:
@@ -68,12 +67,12 @@ def _tensor_meta(t: torch.Tensor, pieces: List[Piece]) -> Dict[str, Any]:
             "pieces": [list(p) for p in pieces]}
 
 
-def _trainable_meta(engine: "Engine", t: Trainable, world: int) -> Dict[str, Any]:
+def _trainable_meta(parts: TrainingParts, t: Trainable, world: int) -> Dict[str, Any]:
     n = engine_state.numel(t.param)
     pieces = [(r, *shard_range(n, world, r)) for r in range(world)]
     entry = _tensor_meta(t.param, [p for p in pieces if p[2] > p[1]])
     entry.update(trainable=True, master=t.param.dtype != torch.float32)
-    opt = engine_state.optimizer(engine)
+    opt = engine_state.optimizer(parts)
     if opt is None or t.tensor is None:
         return entry
     groups = [i for i, g in enumerate(opt.param_groups) if any(x is t.tensor for x in g["params"])]
@@ -88,8 +87,8 @@ def _trainable_meta(engine: "Engine", t: Trainable, world: int) -> Dict[str, Any
     return entry
 
 
-def _optimizer_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
-    opt = engine_state.optimizer(engine)
+def _optimizer_meta(parts: TrainingParts) -> Optional[Dict[str, Any]]:
+    opt = engine_state.optimizer(parts)
     if opt is None:
         return None
     groups = [encode({k: v for k, v in g.items() if k != "params"}, f"param group {i}")
@@ -97,14 +96,14 @@ def _optimizer_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
     return {"class": type(opt).__name__, "groups": groups}
 
 
-def _scheduler_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
-    sched = engine_state.lr_scheduler(engine)
+def _scheduler_meta(parts: TrainingParts) -> Optional[Dict[str, Any]]:
+    sched = engine_state.lr_scheduler(parts)
     if sched is None or not hasattr(sched, "state_dict"):
         return None
     return {"class": type(sched).__name__,
             "state": encode(sched.state_dict(), f"{type(sched).__name__}.state_dict()")}
 
 
-def _sampler_meta(engine: "Engine") -> Optional[Dict[str, Any]]:
-    loader = engine_state.data_loader(engine)
+def _sampler_meta(parts: TrainingParts) -> Optional[Dict[str, Any]]:
+    loader = engine_state.data_loader(parts)
     return loader.state_dict() if loader is not None else None

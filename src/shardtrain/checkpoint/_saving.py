@@ -22,9 +22,10 @@ import os
 import shutil
 import signal
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import comm
+from ..state import TrainingParts
 from .._fileio import atomic_path, fsync_dir, write_synced
 from ..log import logger
 from . import _engine_state as engine_state
@@ -33,8 +34,6 @@ from ._format import LATEST, META, REPLACED, TMP, rank_file
 from ._safetensors_writer import write_safetensors
 from ._staging import Staged, stage_rank
 
-if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
-    from ..engine import Engine
 
 __all__ = ["save_checkpoint"]
 
@@ -43,19 +42,21 @@ FAULT_ENV = "SHARDTRAIN_CHECKPOINT_FAULT"  # test hook: "<point>@<rank>" kills t
 Files = Dict[str, Dict[str, int]]  # file name -> {"bytes", "crc32"}
 
 
-def save_checkpoint(engine: "Engine", save_dir: str, tag: Optional[str] = None,
+def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
                     client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Saves the engine's full training state to ``<save_dir>/<tag>/``; call it on all ranks.
 
-    See :meth:`shardtrain.Engine.save_checkpoint` for the arguments.
+    ``engine`` is read through ``engine.training_parts()`` only. See
+    :meth:`shardtrain.Engine.save_checkpoint` for the arguments.
     """
+    parts: TrainingParts = engine.training_parts()
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the directory to save into.")
-    engine_state.check_stage(engine, "save_checkpoint")
+    engine_state.check_stage(parts, "save_checkpoint")
     save_dir = os.fspath(save_dir)
-    tag = _agreed_tag(engine, tag)
-    staged, token = _stage(engine, save_dir, tag, client_state or {}, exclude_frozen_parameters)
+    tag = _agreed_tag(parts, tag)
+    staged, token = _stage(parts, save_dir, tag, client_state or {}, exclude_frozen_parameters)
     tmp = os.path.join(save_dir, f"{tag}{TMP}{token}")
     with _removed_on_failure(tmp if comm.get_rank() == 0 else None):
         files = _write(tmp, staged)
@@ -63,11 +64,11 @@ def save_checkpoint(engine: "Engine", save_dir: str, tag: Optional[str] = None,
     return True
 
 
-def _agreed_tag(engine: "Engine", tag: Optional[str]) -> str:
-    tag = str(tag) if tag is not None else f"global_step{engine_state.global_steps(engine)}"
+def _agreed_tag(parts: TrainingParts, tag: Optional[str]) -> str:
+    tag = str(tag) if tag is not None else f"global_step{engine_state.global_steps(parts)}"
     tags = comm.all_gather_object(tag)
     if len(set(tags)) > 1:
-        mode = engine_state.tag_validation(engine)
+        mode = engine_state.tag_validation(parts)
         message = (f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; rank 0's "
                    f"{tags[0]!r} is used. Pass the same tag on every rank.")
         if mode == "Fail":
@@ -85,14 +86,14 @@ def _agreed_tag(engine: "Engine", tag: Optional[str]) -> str:
 
 # -- the three phases, each ended by an agreement of every rank --------------------------------
 
-def _stage(engine: "Engine", save_dir: str, tag: str, client_state: Dict[str, Any],
+def _stage(parts: TrainingParts, save_dir: str, tag: str, client_state: Dict[str, Any],
            exclude_frozen: bool) -> Tuple[Staged, str]:
     """Everything that can refuse happens here, before any file is written. Rank 0 makes
     the temporary directory; the agreement is the barrier after which it exists."""
     box: List[Optional[Problem]] = [None]
     staged, token = None, None
     with capture(box):
-        staged = stage_rank(engine, client_state, exclude_frozen)
+        staged = stage_rank(parts, client_state, exclude_frozen)
         if comm.get_rank() == 0:
             token = _prepare_dirs(save_dir, tag)
     return staged, agree(box[0], token)[0]

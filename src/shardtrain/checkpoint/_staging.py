@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .. import comm
+from ..state import TrainingParts
 from ..zero._shards import shard_range
 from . import _engine_state as engine_state
 from ._client_state import pickle_objects, split_client_state
@@ -26,8 +27,6 @@ from ._engine_state import Trainable
 from ._format import encode
 from ._manifest import describe, elementwise
 
-if TYPE_CHECKING:  # annotations only: nothing here imports the engine at run time
-    from ..engine import Engine
 
 __all__ = ["Staged", "stage_rank"]
 
@@ -43,14 +42,14 @@ class Staged:
     client_objects: Optional[bytes] = None  # the pickled part of client_state, if any
 
 
-def stage_rank(engine: "Engine", client_state: Dict[str, Any],
+def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
                exclude_frozen: bool) -> Staged:
     client_json, client_tensors, client_objects = split_client_state(client_state)
     rank = comm.get_rank()
-    trainables = engine_state.trainables(engine)
-    tensors = _model_tensors(engine, trainables, exclude_frozen)
+    trainables = engine_state.trainables(parts)
+    tensors = _model_tensors(parts, trainables, exclude_frozen)
     tensors.update({f"client/{k}": v for k, v in client_tensors.items()})
-    rng_json, rng_tensors = _rng_state(engine)
+    rng_json, rng_tensors = _rng_state(parts)
     tensors.update(rng_tensors)
     # Device tensors are copied to the CPU now; CPU ones are written from where they are
     # (nothing changes them while the save runs: it is synchronous).
@@ -58,37 +57,37 @@ def stage_rank(engine: "Engine", client_state: Dict[str, Any],
     rank_json = {"rank": rank, "rng": rng_json,
                  "client": {"json": client_json, "tensors": sorted(client_tensors),
                             "objects": sorted(map(str, client_objects))}}
-    meta = describe(engine, trainables, exclude_frozen) if rank == 0 else None
+    meta = describe(parts, trainables, exclude_frozen) if rank == 0 else None
     return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects))
 
 
-def _model_tensors(engine: "Engine", trainables: Dict[str, Trainable],
+def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
                    exclude_frozen: bool) -> Dict[str, torch.Tensor]:
     """This rank's shards of the trainable parameters; on rank 0, the whole tensors too."""
     rank, world = comm.get_rank(), comm.get_world_size()
     tensors: Dict[str, torch.Tensor] = {}
     for t in trainables.values():
-        tensors.update(_trainable_shard(engine, t, world, rank))
+        tensors.update(_trainable_shard(parts, t, world, rank))
     # A frozen partitioned parameter is gathered: a collective that every rank joins.
-    if rank == 0 or engine_state.any_partitioned(engine):
-        whole = _whole_tensors(engine, trainables, exclude_frozen)
+    if rank == 0 or engine_state.any_partitioned(parts):
+        whole = _whole_tensors(parts, trainables, exclude_frozen)
         if rank == 0:
             tensors.update(whole)
     return tensors
 
 
-def _trainable_shard(engine: "Engine", t: Trainable, world: int,
+def _trainable_shard(parts: TrainingParts, t: Trainable, world: int,
                      rank: int) -> Dict[str, torch.Tensor]:
     """This rank's even shard of the parameter, its master and its per-element states."""
     lo, hi = shard_range(engine_state.numel(t.param), world, rank)
     if hi <= lo:
         return {}
     assert t.lo <= lo and hi <= t.hi, "a rank's optimizer slice must hold its even shard"
-    out = {f"param/{t.name}": engine_state.param_range(engine, t.param, lo, hi)}
+    out = {f"param/{t.name}": engine_state.param_range(t.param, lo, hi)}
     a, b = lo - t.lo, hi - t.lo  # the shard within the optimizer's slice
     if t.has_master:
         out[f"master/{t.name}"] = t.tensor.detach().reshape(-1)[a:b]
-    opt = engine_state.optimizer(engine)
+    opt = engine_state.optimizer(parts)
     for key, value in (opt.state.get(t.tensor, {}) if opt is not None else {}).items():
         if elementwise(value, t.tensor):
             out[f"optim/{t.name}/{key}"] = value.detach().reshape(-1)[a:b]
@@ -100,27 +99,27 @@ def _trainable_shard(engine: "Engine", t: Trainable, world: int,
     return out
 
 
-def _whole_tensors(engine: "Engine", trainables: Dict[str, Trainable],
+def _whole_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
                    exclude_frozen: bool) -> Dict[str, torch.Tensor]:
     """Frozen parameters and buffers, written whole by rank 0."""
     out = {}
     if not exclude_frozen:
-        for name, p in engine_state.named_params(engine):
+        for name, p in engine_state.named_params(parts):
             if name not in trainables:
-                out[f"param/{name}"] = engine_state.param_range(engine, p, 0,
+                out[f"param/{name}"] = engine_state.param_range(p, 0,
                                                                 engine_state.numel(p))
-    for name, b in engine_state.named_buffers(engine):
+    for name, b in engine_state.named_buffers(parts):
         out[f"buffer/{name}"] = b.detach().reshape(-1)
     return out
 
 
-def _rng_state(engine: "Engine") -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+def _rng_state(parts: TrainingParts) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     as_json = {"python": encode(random.getstate(), "random state"),
                "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     tensors = {"rng/torch": torch.get_rng_state()}
-    device = engine_state.device_rng(engine)
+    device = engine_state.device_rng(parts)
     if device is not None:
         tensors["rng/device"] = device.get_rng_state()
     return as_json, tensors

@@ -67,8 +67,9 @@ from ._zero import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig,
 
 # Data importable from here but outside __all__: ``zero.leaf`` compares a block's classes with
 # DEFAULT_LEAF_MODULE_CLASSES; NO_EFFECT and STAGE_TUNING_KEYS complete the status tables.
-from ._status import NO_EFFECT, STAGE_TUNING_KEYS
-from ._zero import DEFAULT_LEAF_MODULE_CLASSES
+from ._status import NO_EFFECT as NO_EFFECT
+from ._status import STAGE_TUNING_KEYS as STAGE_TUNING_KEYS
+from ._zero import DEFAULT_LEAF_MODULE_CLASSES as DEFAULT_LEAF_MODULE_CLASSES
 
 __all__ = [
     "situational_notes",

@@ -51,8 +51,8 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.runtime.hybrid_engine": ("the hybrid engine (RLHF generation)", "engine.module.generate()"),
     "deepspeed.checkpoint.ds_to_universal": ("universal checkpoints",
                                              "shardtrain checkpoints load on any world size and stage as they are"),
-    "deepspeed.checkpoint.universal_checkpoint": ("universal checkpoints",
-                                                  "shardtrain checkpoints load on any world size and stage as they are"),
+    "deepspeed.checkpoint.universal_checkpoint": (
+        "universal checkpoints", "shardtrain checkpoints load on any world size and stage as they are"),
 }
 
 

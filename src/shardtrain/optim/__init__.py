@@ -37,7 +37,7 @@ from ._schedulers import DS_SCHEDULER_NAMES, build_scheduler
 from ._warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 # The type of build_optimizer's ``params``, importable from here outside __all__.
-from ._optimizers import ParamsLike
+from ._optimizers import ParamsLike as ParamsLike
 
 __all__ = [
     "DS_OPTIMIZER_NAMES",

@@ -62,7 +62,7 @@ class Progress:
         # Reading the engine's loss waits for the device: do it only when something is shown.
         now = time.perf_counter()
         if not metrics and self.engine is not None and (line_due or (self._bar and now - self._shown > 0.5)):
-            metrics = self.engine._watch.summary()
+            metrics = self.engine.monitor.summary()
             self._shown = now
         text = {k: _fmt(v) for k, v in metrics.items()}
         if self._bar is not None:

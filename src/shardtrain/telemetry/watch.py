@@ -252,8 +252,26 @@ class StepWatch:
         record: Dict[str, Any] = {"step": self.engine.global_steps if step is None else int(step),
                                   "samples": self.engine.global_samples, "time": time.time()}
         for key, value in values.items():
-            record[key] = value.item() if isinstance(value, torch.Tensor) else float(value)
+            record[key] = _number(value)
         self._write(record)
+
+    @property
+    def enabled(self) -> bool:
+        """A monitor is configured (the same answer on every rank; rank 0 writes)."""
+        return self.monitoring
+
+    def write_events(self, event_list: Sequence[Tuple[str, Any, int]]) -> None:
+        """DeepSpeed's ``engine.monitor.write_events``: each ``(name, value, x)`` is written
+        as a record of its own at global samples ``x`` (rank 0; a name without ``/``
+        becomes ``Train/Samples/<name>``).
+
+        Example:
+            >>> engine.monitor.write_events([("Eval/Samples/loss", 1.83, engine.global_samples)])
+        """
+        for name, value, x in event_list:
+            if self.monitors:
+                self._write({"step": self.engine.global_steps, "samples": int(x),
+                             "time": time.time(), name: _number(value)})
 
     def summary(self) -> Dict[str, float]:
         """Loss (this rank's last step), learning rate and throughput, for a progress bar."""
@@ -288,6 +306,10 @@ class StepWatch:
 def build_watch(engine: Any) -> StepWatch:
     """The engine's :class:`StepWatch`, from its config (monitors, timers, profilers)."""
     return StepWatch(engine)
+
+
+def _number(value: Any) -> float:
+    return value.item() if isinstance(value, torch.Tensor) else float(value)
 
 
 def _tokens_of(inputs: Sequence[Any], kwargs: Dict[str, Any]) -> int:

@@ -13,6 +13,7 @@ its param groups and hyperparameters, so any ``torch.optim`` optimizer works unc
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -20,6 +21,28 @@ import torch
 from .. import accelerator
 
 Slice = Tuple[int, int]  # [lo, hi) of the parameter's flattened elements
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """What the optimizer holds of one trainable parameter on this rank.
+
+    ``tensor`` is the optimizer's tensor for elements ``[lo, hi)`` of the flattened
+    parameter (its fp32 master, a view of the parameter, or the parameter itself; None when
+    this rank holds no element of it); ``numel`` is the full parameter's element count;
+    ``sharded`` is False when every rank holds all of it. ``is_copy``: the optimizer updates
+    a copy of the slice (an fp32 master of a 16-bit parameter, or a host copy when the
+    optimizer is offloaded), not the parameter's own memory, so weights written into the
+    module must be copied into it too.
+    """
+
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    numel: int
+    tensor: Optional[torch.Tensor]
+    sharded: bool
+    is_copy: bool
 
 
 class OptimizerView:
@@ -65,6 +88,13 @@ class OptimizerView:
                              pin_memory=self._pin and device.type == "cpu")
         master.copy_(src)
         return torch.nn.Parameter(master.view_as(p) if whole else master)
+
+    def slots(self, sharded: bool) -> List[ParamSlot]:
+        """One :class:`ParamSlot` per parameter, in ``params`` order."""
+        return [ParamSlot(p, lo, hi, int(getattr(p, "ds_numel", p.numel())), t, sharded,
+                          t is not None and not _shares(t, src))
+                for p, (lo, hi), t, src in zip(self.params, self.slices, self.tensors,
+                                                self.sources)]
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-points the optimizer's groups at this rank's tensors; parameters this rank

@@ -25,7 +25,8 @@ from typing import Iterable, List, Optional
 import torch
 
 from .. import comm
-from ._shards import chunk_size, full_numel, shard_range
+from . import _collectives as coll
+from ._shards import chunk_size, shard_range
 
 _ids = itertools.count()
 
@@ -55,7 +56,7 @@ def partition(p: torch.nn.Parameter, world: int, rank: int, src: Optional[int] =
         return
     full = p.data
     if src is not None:
-        comm.broadcast(full, src)
+        coll.broadcast(full, src)
     numel, c = full.numel(), chunk_size(full.numel(), world)
     lo, hi = shard_range(numel, world, rank)
     shard = torch.zeros(c, dtype=full.dtype, device=full.device)
@@ -112,7 +113,7 @@ def mark_available(p: torch.nn.Parameter) -> None:
 @torch.no_grad()
 def gather_one(p: torch.nn.Parameter) -> None:
     """Synchronously all-gathers one partitioned parameter (collective)."""
-    comm.all_gather(materialize(p).view(-1), p.ds_tensor)  # every chunk lands in place
+    coll.gather_chunks(materialize(p).view(-1), p.ds_tensor)  # every chunk lands in place
     mark_available(p)
 
 
@@ -162,7 +163,7 @@ class GatheredParameters:
         with torch.no_grad():
             if self.modifier_rank is not None:
                 for p in self.params:
-                    comm.broadcast(p.ds_full, self.modifier_rank)
+                    coll.broadcast(p.ds_full, self.modifier_rank)
                     write_shard_from_full(p)
                 _refresh_masters(self.params)
             for p in self._gathered:
@@ -176,7 +177,7 @@ def _refresh_masters(params: List[torch.nn.Parameter]) -> None:
     owners = {id(o): o for p in params
               for o in [getattr(getattr(p, "ds_group", None), "owner", None)] if o is not None}
     for owner in owners.values():
-        owner.view.refresh_masters(params)
+        owner.weights_written(params)
 
 
 def _wait_inflight(p: torch.nn.Parameter) -> None:

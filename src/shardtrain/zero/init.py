@@ -9,6 +9,8 @@ import torch
 from .. import comm
 from ._params import GatheredParameters, is_partitioned, partition
 
+__all__ = ["Init"]
+
 
 class Init:
     """A context under which each module's parameters are partitioned as soon as the module

@@ -26,7 +26,8 @@ from ..log import log_dist
 from ._shards import full_numel
 
 __all__ = ["set_z3_leaf_modules", "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name",
-           "set_z3_leaf_modules_by_suffix", "z3_leaf_module", "get_z3_leaf_modules"]
+           "set_z3_leaf_modules_by_suffix", "z3_leaf_module", "get_z3_leaf_modules",
+           "apply_config", "granularity", "mark_by_granularity", "outermost_leaves"]
 
 _FLAG = "_z3_leaf"  # the attribute DeepSpeed reads too, so marks made by either are seen by both
 #: Above this many parameter elements a module is never made a leaf by the threshold: one

@@ -8,7 +8,10 @@ import torch
 __all__ = ["clone_tensors_for_torch_save"]
 
 
-def clone_tensors_for_torch_save(item: Any, device=torch.device("cpu")) -> Any:
+_CPU = torch.device("cpu")
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device = _CPU) -> Any:
     """A copy of ``item`` (tensors in nested lists, tuples and dicts) with each tensor cloned
     onto ``device``, so that ``torch.save`` writes each tensor's own elements, not the whole
     storage a view points into."""

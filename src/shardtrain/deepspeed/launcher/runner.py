@@ -34,7 +34,7 @@ from ... import accelerator as _acc
 from ...cli._common import _UsageError
 from ...cli._run import _local_names, _read_hostfile
 
-__all__ = ["main", "translate", "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS",
+__all__ = ["main", "translate", "LauncherError", "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS",
            "parse_resource_filter", "fetch_hostfile"]
 
 DLTS_HOSTFILE = "/job/hostfile"

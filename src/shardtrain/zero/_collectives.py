@@ -1,0 +1,93 @@
+"""Every collective the ZeRO strategies issue, as free functions.
+
+The strategies decide *what* moves and *when*; these functions only move it. Each starts
+one asynchronous collective over the data-parallel group and returns an :class:`Inflight`
+whose ``out`` holds the result once :meth:`Inflight.wait` returned. Keeping them apart
+from the bookkeeping makes the traffic of a step readable in one place:
+
+* stage 0: :func:`all_reduce_flat` per gradient bucket;
+* stages 1-3: :func:`reduce_scatter_rows` per gradient bucket (each rank receives the sum of
+  its own row), :func:`all_gather_rows` after the step (and at stage 3 before each use of a
+  parameter group);
+* :func:`global_norm`: one all-reduce of a scalar when the gradients are sharded;
+* outside the step, :func:`broadcast` (rank 0's initial values, ``GatheredParameters``
+  with a ``modifier_rank``) and :func:`gather_chunks` (one parameter gathered on demand).
+
+Rows follow the rank-major layout of :mod:`._shards`: a ``[world, row]`` buffer whose row
+``r`` is rank ``r``'s chunk of every parameter of the group.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .. import comm
+from ._buckets import local_norm
+
+
+class Inflight(NamedTuple):
+    """An asynchronous collective in flight."""
+
+    work: comm.Work
+    out: torch.Tensor
+    #: Tensors the backend reads until the collective completes: they must stay alive.
+    keep: Tuple[torch.Tensor, ...] = ()
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+
+def all_reduce_flat(buffer: torch.Tensor, comm_dtype: Optional[torch.dtype]) -> Inflight:
+    """Sums ``buffer`` across ranks, sent in ``comm_dtype`` when given. ``out`` is
+    ``buffer`` itself, or a ``comm_dtype`` copy the caller copies back."""
+    wire = buffer if comm_dtype in (None, buffer.dtype) else buffer.to(comm_dtype)
+    return Inflight(comm.all_reduce(wire, "sum", async_op=True), wire)
+
+
+def reduce_scatter_rows(rows: torch.Tensor, rank: int, use_reduce_scatter: bool = True
+                        ) -> Inflight:
+    """Sums ``rows`` ([world, row]) across ranks; ``out`` is this rank's summed row.
+
+    ``use_reduce_scatter=False`` (DeepSpeed's ``reduce_scatter: false``) all-reduces every
+    row instead: the same result for twice the traffic.
+    """
+    if use_reduce_scatter:
+        out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return Inflight(comm.reduce_scatter(out, rows.view(-1), async_op=True), out, (rows,))
+    return Inflight(comm.all_reduce(rows, async_op=True), rows[rank], (rows,))
+
+
+def all_gather_rows(mine: torch.Tensor, world: int, device: Optional[torch.device] = None
+                    ) -> Inflight:
+    """Gathers every rank's ``mine`` (one row, 1-D) into ``out`` ([world, row]) on
+    ``device`` (default ``mine``'s)."""
+    gathered = torch.empty(world, mine.numel(), dtype=mine.dtype,
+                           device=device if device is not None else mine.device)
+    work = comm.all_gather(gathered.view(-1), mine, async_op=True)
+    return Inflight(work, gathered, (mine,))
+
+
+def global_norm(grads: Sequence[torch.Tensor], device: torch.device, sharded: bool
+                ) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, the same on every rank.
+
+    Replicated gradients (stage 0) already are the whole gradient on each rank: no
+    collective. Sharded ones hold distinct slices, whose squared norms add up across ranks.
+    """
+    if not sharded:
+        return local_norm(grads, device)
+    squared = local_norm(grads, device).square().reshape(1).to(device)
+    comm.all_reduce(squared)  # offloaded gradients sit in host memory: reduce on the device
+    return squared.sqrt()[0]
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> None:
+    """``src``'s values into ``tensor`` on every rank (synchronous)."""
+    comm.broadcast(tensor, src)
+
+
+def gather_chunks(out: torch.Tensor, mine: torch.Tensor) -> None:
+    """Every rank's ``mine`` side by side into the flat ``out`` (synchronous)."""
+    comm.all_gather(out, mine)

@@ -1,0 +1,277 @@
+"""ZeRO strategies: where parameters, gradients and optimizer states live, and how they move.
+
+The engine talks to one :class:`Strategy` through the members of :class:`StrategyProtocol`,
+and only those. Each stage is the same class assembled from different parts:
+
+=====  ===============================  ==================  ==============  ================
+stage  gradients (``_reduce``)          optimizer holds     after the step  parameters
+=====  ===============================  ==================  ==============  ================
+0      full, all-reduced                whole tensors       nothing         whole
+1      full, reduce-scattered at the    this rank's slices  all-gather      whole
+       boundary                                             slices
+2      reduce-scattered every           this rank's slices  all-gather      whole
+       micro-step into a shard                              slices
+3      as stage 2                       this rank's shards  all-gather the  gathered per
+                                                            small ones      module
+                                                                            (``_schedule``)
+=====  ===============================  ==================  ==============  ================
+
+A gradient's path: autograd accumulates it into the parameter, the parameter's
+post-accumulate hook hands it to the reducer (:mod:`._reduce`), which packs full buckets and
+sends them with the free functions of :mod:`._collectives`; at the step the reducer returns
+the averaged gradients, which the optimizer view (:mod:`._optview`) attaches to the tensors
+the optimizer updates.
+
+The caller says whether a backward synchronises (``begin_backward(sync=...)``): off the
+accumulation boundary and inside ``no_sync()`` it does not, and stages 0-1 then accumulate
+locally. Every hook a strategy installs is removed by :meth:`Strategy.remove_hooks`.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Protocol
+
+import torch
+
+from . import _collectives as coll
+from ._gather import SliceGatherer
+from ._groups import partition_model
+from ._optview import OptimizerView, ParamSlot, full_slices
+from ._params import is_partitioned
+from ._buckets import FlatBucket, split_into_buckets
+from ._reduce import (AllReduceExchange, FullGrads, ReduceSettings, ScatterExchange, ScatterRows,
+                      ShardedGrads)
+from ._schedule import GatherSchedule
+from ._shards import full_numel, shard_range
+
+__all__ = ["Strategy", "StrategyProtocol", "ParamSlot", "ReduceSettings", "build_strategy"]
+
+
+class StrategyProtocol(Protocol):
+    """Everything the engine asks of a strategy, in the order of a training step."""
+
+    stage: int
+    supports_no_sync: bool  # stages 2-3 never keep a full gradient between micro-steps
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """Re-points a client optimizer at the tensors this rank updates."""
+
+    def begin_forward(self) -> None:
+        """A forward through the engine starts (a new micro-batch)."""
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        """It ended; ``grad_enabled`` says whether a backward will follow."""
+
+    def begin_backward(self, sync: bool) -> None:
+        """A backward starts; ``sync``: its gradients are averaged across ranks."""
+
+    def end_backward(self, accumulation_steps: int) -> None:
+        """The backward announced by :meth:`begin_backward` ended."""
+
+    def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
+        """Finishes the reduction; the optimizer's tensors get their averaged gradients."""
+
+    def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The norm of the whole model's gradient, the same on every rank."""
+
+    def after_step(self) -> None:
+        """The optimizer stepped: module parameters catch up with what it updated."""
+
+    def zero_grads(self) -> None:
+        """Drops the accumulated gradients (after a step, or on request)."""
+
+    def slots(self) -> List[ParamSlot]:
+        """What the optimizer holds of each trainable parameter on this rank."""
+
+    def refresh_masters(self, params: Optional[List[torch.nn.Parameter]] = None) -> None:
+        """Weights were written into the module: the optimizer's copies follow."""
+
+    def copy_masters_to_params(self) -> None:
+        """The optimizer's copies were written: the module's weights follow."""
+
+    def compile(self, module: torch.nn.Module, backend: str, options: dict) -> Any:
+        """``torch.compile`` the module as this stage allows; returns what forward runs."""
+
+    def held_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        """Storage held beyond the module's own tensors (memory accounting)."""
+
+    def release_all(self) -> None:
+        """Frees gathered parameters no running forward needs (stage 3)."""
+
+    def remove_hooks(self) -> None:
+        """Removes every hook the strategy installed (``engine.destroy()``)."""
+
+
+class Strategy:
+    """One ZeRO stage, composed of a gradient reducer, an optimizer view, an after-step
+    gatherer and, at stage 3, a parameter schedule. Built by :func:`build_strategy`.
+
+    Args:
+        stage: the ZeRO stage it implements.
+        module: the model.
+        params: the trainable parameters, each once.
+        grads: the gradient reducer (:class:`._reduce.FullGrads` or ``ShardedGrads``).
+        view: what the optimizer holds of each parameter.
+        world: ranks in the data-parallel group.
+        gatherer: all-gathers updated slices after the step (None at stage 0).
+        schedule: gathers and releases partitioned parameters (stage 3 only).
+    """
+
+    def __init__(self, stage: int, module: torch.nn.Module, params: List[torch.nn.Parameter],
+                 grads: Any, view: OptimizerView, world: int,
+                 gatherer: Optional[SliceGatherer] = None,
+                 schedule: Optional[GatherSchedule] = None):
+        self.stage = stage
+        self.supports_no_sync = isinstance(grads, FullGrads)
+        self._module = module
+        self._world = world
+        self.params = params
+        self._grads = grads
+        self._view = view
+        self._gatherer = gatherer
+        self._schedule = schedule
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        self._view.adopt(optimizer)
+
+    def slots(self) -> List[ParamSlot]:
+        return self._view.slots(sharded=self.stage > 0 and self._world > 1)
+
+    def refresh_masters(self, params: Optional[List[torch.nn.Parameter]] = None) -> None:
+        self._view.refresh_masters(params)
+
+    def copy_masters_to_params(self) -> None:
+        self._view.copy_masters_to_params()
+
+    # -- forward and backward -----------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        self._grads.begin_forward()
+        if self._schedule is not None:
+            self._schedule.begin_forward()
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        if self._schedule is not None:
+            self._schedule.end_forward(grad_enabled)
+
+    def begin_backward(self, sync: bool) -> None:
+        self._grads.begin_backward(sync)
+        if self._schedule is not None:
+            self._schedule.begin_backward()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        self._grads.on_grad(param)
+        if self._schedule is not None:
+            self._schedule.on_grad(param)  # its group may be released now
+
+    def end_backward(self, accumulation_steps: int) -> None:
+        self._grads.end_backward(accumulation_steps)
+        if self._schedule is not None:
+            self._schedule.end_backward()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
+        return self._view.load_grads(self._grads.grads(accumulation_steps))
+
+    def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+        return coll.global_norm(grads, device, sharded=self.stage > 0)
+
+    def after_step(self) -> None:
+        """Updated masters into the module's slices, then every rank's slices gathered."""
+        self._view.copy_masters_to_params()
+        if self._gatherer is not None:
+            self._gatherer.gather()
+
+    def zero_grads(self) -> None:
+        self._grads.zero()
+        self._view.release_grads()
+        if self._schedule is not None:
+            self._schedule.reset()
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def compile(self, module: torch.nn.Module, backend: str, options: dict):
+        """The callable the engine runs forward through. Stages 0-2 compile the whole
+        module (gradient hooks sit on gradient accumulation, outside the graphs); stage 3
+        compiles block by block around its gathers (see :meth:`GatherSchedule.compile`)."""
+        if self._schedule is not None:
+            return self._schedule.compile(module, backend, options)
+        return torch.compile(module, backend=backend, **options)
+
+    def release_all(self) -> None:
+        """Frees the gathered parameters no running forward needs (stage 3)."""
+        if self._schedule is not None:
+            self._schedule.release_all()
+
+    def held_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        """Storage this strategy holds beyond the module's own tensors, for memory
+        accounting: parameter shards (stage 3), gradient buckets or shards, fp32 masters."""
+        shards = [g.flat for g in self._schedule.units.groups] if self._schedule else []
+        return {"params": shards, "grads": self._grads.storage(),
+                "master": list(self._view.masters)}
+
+    def stats(self) -> Dict[str, Any]:
+        """What the strategy is doing, for diagnostics: gradient buckets (parameters and
+        gradients arrived in the current backward) and, at stage 3, how gathered groups
+        arrived (prefetched or on demand)."""
+        buckets = self._grads.buckets
+        out: Dict[str, Any] = {"stage": self.stage, "params": len(self.params),
+                               "buckets": len(buckets),
+                               "arrived": sum(b.arrived for b in buckets)}
+        if self._schedule is not None:
+            out.update(self._schedule.stats)
+        return out
+
+    def units(self) -> List[torch.nn.Module]:
+        """The modules around whose forward parameters are gathered (stage 3)."""
+        if self._schedule is None:
+            return []
+        return [m for m in self._module.modules() if id(m) in self._schedule.module_hooks]
+
+    def remove_hooks(self) -> None:
+        """Removes every hook this strategy installed (gradient hooks, stage-3 module hooks
+        and attribute hooks)."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+        if self._schedule is not None:
+            self._schedule.remove_hooks()
+
+
+def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], zero: Any,
+                   settings: ReduceSettings, world: int, rank: int) -> Strategy:
+    """Assembles the strategy of ``zero.stage`` (``zero`` is the ``zero_optimization``
+    config) for the trainable ``params`` of ``module`` on the data-parallel group."""
+    units = partition_model(module, world, rank, zero) if zero.stage == 3 else None
+    buckets = [FlatBucket(group, flat=zero.stage < 2)
+               for group in split_into_buckets(params, int(zero.reduce_bucket_size))]
+    overlap = bool(zero.overlap_comm)
+    if zero.stage == 0:
+        grads = FullGrads(params, buckets, overlap, settings, AllReduceExchange(settings))
+        view = OptimizerView(params, full_slices(params))
+        return Strategy(0, module, params, grads, view, world)
+    rows = ScatterRows(buckets, world, rank, settings, bool(zero.reduce_scatter))
+    if zero.stage == 1:
+        grads = FullGrads(params, buckets, overlap, settings, ScatterExchange(rows))
+    else:
+        grads = ShardedGrads(params, buckets, overlap, settings, rows)
+    view = _sharded_view(params, world, rank, zero.offload_optimizer)
+    whole = [p for p in params if not is_partitioned(p)]
+    gatherer = SliceGatherer(whole, int(zero.allgather_bucket_size), world, rank)
+    schedule = GatherSchedule(module, units, zero, view.refresh_masters) if units else None
+    return Strategy(zero.stage, module, params, grads, view, world, gatherer, schedule)
+
+
+def _sharded_view(params: List[torch.nn.Parameter], world: int, rank: int,
+                  offload: Any) -> OptimizerView:
+    """This rank's slice of each parameter; at stage 3 a partitioned parameter's slice is
+    its shard (the optimizer updates it in place when it is fp32)."""
+    on_host = offload is not None and offload.device == "cpu"
+    slices = [shard_range(full_numel(p), world, rank) for p in params]
+    sources = [p.ds_tensor[: hi - lo] if is_partitioned(p) else None
+               for p, (lo, hi) in zip(params, slices)]
+    return OptimizerView(params, slices, sources, offload=on_host,
+                         pin_memory=bool(on_host and offload.pin_memory))
