@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-cuda bench clean
+.PHONY: venv demo test test-unit lint test-cuda bench clean
 
 # Create .venv if missing; (re)install only when the dependency files change.
 venv: $(STAMP)
@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml requirements-dev.txt src/shardtrain/deepspeed/_distribu
 demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_gpt.py --config examples/configs/demo.json
 
-# The unit lane first (seconds), then the rest of the suite: real processes over gloo.
-test: $(STAMP) test-unit
+# The linter and the unit lane first (seconds), then the rest of the suite: real processes
+# over gloo.
+test: $(STAMP) lint test-unit
 	$(PY) -m pytest -q tests --ignore=tests/unit
+
+# ruff with the project's rules (pyproject.toml, [tool.ruff]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The unit lane: the building blocks in one process, without a process group.
 test-unit: $(STAMP)

@@ -1,7 +1,7 @@
 """The batch arithmetic of ``shardtrain.config.load_config`` over world sizes 1-4:
 train_batch_size == micro batch * accumulation steps * world size, whichever keys are given.
 
-(tests/test_config.py holds the fixed cases at world size 2 and the rest of the config.)
+(tests/unit/test_config.py holds the fixed cases at world size 2 and the rest of the config.)
 """
 from __future__ import annotations
 

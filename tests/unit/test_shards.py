@@ -32,7 +32,7 @@ def test_ranges_tile_the_parameter_in_rank_order(world):
     for n in NUMELS:
         ranges = [shard_range(n, world, r) for r in range(world)]
         assert ranges[0][0] == 0 and ranges[-1][1] == n
-        for (lo, hi), (next_lo, _) in zip(ranges, ranges[1:]):
+        for (_lo, hi), (next_lo, _) in zip(ranges, ranges[1:]):
             assert hi == next_lo
         assert all(0 <= hi - lo <= math.ceil(n / world) for lo, hi in ranges)
 

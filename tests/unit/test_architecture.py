@@ -67,14 +67,36 @@ def runtime_nodes(tree: ast.AST):
     return [n for n in ast.walk(tree) if id(n) not in skip]
 
 
+def imported_module(path: str, node: ast.ImportFrom) -> str:
+    """The absolute name ``from ... import`` reads, for a module at ``path`` (relative to SRC)."""
+    if node.level == 0:
+        return node.module or ""
+    package = ["shardtrain", *path.split("/")[:-1]]
+    base = package[: len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def test_nothing_but_the_entry_points_imports_the_engine():
     importers = []
     for name, tree in modules():
         for node in runtime_nodes(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in ("engine", "shardtrain.engine") \
-                    and node.level in (0, 1):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = imported_module(name, node)
+            names = {a.name for a in node.names}
+            if target == "shardtrain.engine" or (target == "shardtrain" and "engine" in names):
                 importers.append(name)
     assert set(importers) <= {"__init__.py", "cli/__init__.py"}, importers
+
+
+def test_checkpoints_and_telemetry_read_no_private_engine_part():
+    """They take the engine's public members only (``training_parts()``, ``monitor``...)."""
+    readers = [name for name, tree in modules()
+               if name.split("/")[0] in ("checkpoint", "telemetry", "autotune")
+               for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+               and dotted(node.value) in ("engine", "self.engine", "parts")
+               and node.attr.startswith("_")]
+    assert not readers, readers
 
 
 def test_public_api_is_frozen():

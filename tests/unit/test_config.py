@@ -24,7 +24,7 @@ from shardtrain.config._model import _submodel
 from shardtrain.config._table import _table_markdown
 
 WS = 2  # the world size of every batch case below (facts section 2 was checked with ws=2)
-DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def load(extra: Dict[str, Any], world_size: int = WS) -> ShardConfig:
