@@ -81,7 +81,7 @@ def test_layout_latest_and_meta(runs):
     assert files == ["meta.json", "rank00000.json", "rank00000.safetensors", "rank00001.json",
                      "rank00001.safetensors"]
     meta = json.loads((root / "global_step5" / "meta.json").read_text())
-    assert (meta["world_size"], meta["zero_stage"], meta["version"]) == (2, 1, 1)
+    assert (meta["world_size"], meta["zero_stage"], meta["version"]) == (2, 1, 2)
     assert meta["counters"]["global_steps"] == 5 and meta["counters"]["global_samples"] == 60
     assert meta["config"]["zero_optimization"]["stage"] == 1
     fc1 = meta["params"]["fc1.weight"]

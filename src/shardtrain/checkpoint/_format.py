@@ -19,7 +19,7 @@ __all__ = ["FORMAT_VERSION", "FORMAT", "META", "LATEST", "TMP", "REPLACED", "Pie
            "ST_DTYPES", "ST_NAMES", "rank_file", "dtype_name", "dtype_from", "encode",
            "encode_dict", "decode"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rank files record the digests of meta.json's fields and their ranges
 FORMAT = "shardtrain-checkpoint"
 META = "meta.json"
 LATEST = "latest"

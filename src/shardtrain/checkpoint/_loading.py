@@ -74,15 +74,18 @@ def _read_and_check(parts: TrainingParts, load_dir: str, found: List[Optional[st
     """Everything this rank will apply; raises on every rank if any rank cannot load."""
     box: List[Optional[Problem]] = [None]
     loaded = Loaded()
-    with contextlib.ExitStack() as stack, capture(box):
-        if len(set(found)) > 1:  # e.g. node-local directories that differ
-            raise Problem(ValueError, f"ranks found different checkpoints in {load_dir!r} "
-                                      f"({sorted(set(map(str, found)))}): every rank must see "
-                                      "the same checkpoint directory.")
-        reader = Reader(tag_dir, meta, stack)
-        _verify_share(reader, meta)
-        loaded = _read_everything(parts, meta, reader, options)
-    agree(box[0])
+    with contextlib.ExitStack() as stack:
+        with capture(box):  # first every file, and meta.json against them, on some rank
+            if len(set(found)) > 1:  # e.g. node-local directories that differ
+                raise Problem(ValueError, f"ranks found different checkpoints in {load_dir!r} "
+                                          f"({sorted(set(map(str, found)))}): every rank must "
+                                          "see the same checkpoint directory.")
+            reader = Reader(tag_dir, meta, stack)
+            _verify_share(reader, meta)
+        agree(box[0])
+        with capture(box):
+            loaded = _read_everything(parts, meta, reader, options)
+        agree(box[0])
     return loaded
 
 

@@ -20,56 +20,55 @@ from safetensors import SafetensorError, safe_open
 
 from ..log import logger
 from ._agreement import Problem, corrupted, missing
-from ._format import (FORMAT, FORMAT_VERSION, LATEST, META, REPLACED, ST_DTYPES, TMP,
-                      dtype_from, dtype_name, rank_file)
+from ._format import (FORMAT, FORMAT_VERSION, META, REPLACED, ST_DTYPES, TMP, dtype_from,
+                      dtype_name, rank_file)
+from ._integrity import check_header, check_layout, check_range
+from ._paths import RANK_FILE, check_tag, inside, read_latest, regular_file
 
 __all__ = ["Reader", "resolve", "read_json", "read_meta", "module_key", "entry_for"]
 
 
 def resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
-    """The tag directory to load; None when ``tag`` is None and there is no ``latest``."""
+    """The tag directory to load; None when ``tag`` is None and there is no ``latest``. The
+    tag must be a plain name and its directory must resolve inside ``load_dir``."""
     if not os.path.isdir(load_dir):
         raise Problem(FileNotFoundError, f"checkpoint directory {load_dir!r} does not exist; "
                                          "check the path.")
     if tag is None:
-        tag = _latest(load_dir)
+        tag = read_latest(load_dir)
         if tag is None:
             return None
+    check_tag(str(tag), f"checkpoint {load_dir}")
     path = os.path.join(load_dir, str(tag))
     if os.path.isdir(path):
-        return path
+        return _inside_dir(path, load_dir)
     for entry in sorted(os.listdir(load_dir)):
-        if entry.startswith(f"{tag}{REPLACED}") and \
-                os.path.isfile(os.path.join(load_dir, entry, META)):
+        candidate = os.path.join(load_dir, entry)
+        if entry.startswith(f"{tag}{REPLACED}") and os.path.isfile(os.path.join(candidate, META)):
             logger.warning("checkpoint %s: using %s, left by a re-save that was interrupted",
                            path, entry)
-            return os.path.join(load_dir, entry)
+            return _inside_dir(candidate, load_dir)
     tags = sorted(e for e in os.listdir(load_dir) if TMP not in e and REPLACED not in e
                   and os.path.isfile(os.path.join(load_dir, e, META)))
     raise Problem(FileNotFoundError, f"checkpoint tag {str(tag)!r} not found in {load_dir!r} "
                                      f"(tags there: {tags or 'none'}).")
 
 
-def _latest(load_dir: str) -> Optional[str]:
-    """The tag that ``latest`` names; None when there is no ``latest``."""
-    latest = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(latest):
-        return None
-    with open(latest, "rb") as f:
-        tag = f.read().decode("utf-8", errors="replace").strip()
-    if not tag or "/" in tag or os.sep in tag:
-        raise Problem(ValueError, f"{latest} holds {tag!r}, not a tag name; pass tag= to "
-                                  "name the checkpoint.")
-    return tag
+def _inside_dir(path: str, root: str) -> str:
+    if not inside(path, root):
+        raise Problem(ValueError, f"{path} resolves to a directory outside {root}: a tag must "
+                                  "be a directory inside the checkpoint directory; copy it there "
+                                  "instead of linking to it.")
+    return path
 
 
 def read_json(path: str, info: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
-    """A JSON object from ``path``, checked against its size and CRC32 when ``info`` has them."""
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except FileNotFoundError:
-        raise missing(path) from None
+    """A JSON object from ``path`` (a regular file inside its tag directory), checked against
+    its size and CRC32 when ``info`` has them."""
+    if regular_file(path, os.path.dirname(path)) is None:
+        raise missing(path)
+    with open(path, "rb") as f:
+        blob = f.read()
     if info is not None:
         _check_blob(path, blob, info)
     try:
@@ -90,7 +89,7 @@ def _check_blob(path: str, blob: bytes, info: Dict[str, int]) -> None:
 
 def read_meta(tag_dir: str) -> Dict[str, Any]:
     path = os.path.join(tag_dir, META)
-    if not os.path.isfile(path):
+    if regular_file(path, tag_dir) is None:
         raise Problem(FileNotFoundError, f"{path} is missing: {tag_dir} is not a complete "
                                          "checkpoint (was its save interrupted?).")
     meta = read_json(path)
@@ -103,6 +102,7 @@ def read_meta(tag_dir: str) -> Dict[str, Any]:
                     if k not in meta]
     if missing_keys:
         raise corrupted(path, f"no {missing_keys}")
+    check_layout(meta, path)
     return meta
 
 
@@ -126,15 +126,30 @@ def _file_crc32(path: str) -> int:
 
 
 class Reader:
-    """Reads byte ranges of the rank files, checking each file against meta.json."""
+    """Reads byte ranges of the rank files, checking each file against meta.json.
+
+    Only the file names meta.json's layout allows are opened, and only when they resolve to
+    regular files inside the tag directory (:mod:`._paths`).
+    """
 
     def __init__(self, tag_dir: str, meta: Dict[str, Any], stack: contextlib.ExitStack):
         self.dir, self.meta, self.stack = tag_dir, meta, stack
         self.handles: Dict[int, Any] = {}
         self.keys: Dict[int, set] = {}
+        self.headers: Dict[int, Optional[Dict[str, str]]] = {}
 
     def path(self, name: str) -> str:
+        if name != META and RANK_FILE.fullmatch(name) is None:
+            raise corrupted(self.path(META), f"{name!r} is not a checkpoint file name")
         return os.path.join(self.dir, name)
+
+    def checked(self, name: str) -> str:
+        """The path of ``name``, once it is known to be a regular file inside the tag
+        directory (never a link out of it, a FIFO or a device)."""
+        path = self.path(name)
+        if regular_file(path, self.dir) is None:
+            raise missing(path)
+        return path
 
     def info(self, name: str) -> Dict[str, int]:
         info = self.meta["files"].get(name)
@@ -143,24 +158,34 @@ class Reader:
         return info
 
     def verify(self, name: str) -> None:
-        """Checks a whole file's size and CRC32 (streamed)."""
-        path, info = self.path(name), self.info(name)
-        try:
-            size = os.path.getsize(path)
-            if size != info["bytes"]:
-                raise corrupted(path, f"{size} bytes, meta.json says {info['bytes']}")
-            crc = _file_crc32(path) if size else 0
-        except FileNotFoundError:
-            raise missing(path) from None
-        if crc != info["crc32"]:
+        """Checks a whole file's size and CRC32 (streamed); for a rank's safetensors file,
+        also meta.json against what its header recorded at the save."""
+        path, info = self.checked(name), self.info(name)
+        size = os.path.getsize(path)
+        if size != info["bytes"]:
+            raise corrupted(path, f"{size} bytes, meta.json says {info['bytes']}")
+        if (_file_crc32(path) if size else 0) != info["crc32"]:
             raise corrupted(path, "its CRC32 does not match meta.json's")
+        match = RANK_FILE.fullmatch(name)
+        if match and match.group(2) == "safetensors":
+            self.check_manifest(int(match.group(1)))
+
+    def check_manifest(self, rank: int) -> None:
+        header = self.header(rank)
+        if header is None and self.meta.get("version") == 1:
+            return  # written before rank files recorded meta.json's digests
+        check_header(self.path(rank_file(rank, "safetensors")), self.path(META), header,
+                     self.meta, rank)
+
+    def header(self, rank: int) -> Optional[Dict[str, str]]:
+        if rank not in self.headers:
+            self.headers[rank] = self.handle(rank).metadata()
+        return self.headers[rank]
 
     def handle(self, rank: int):
         if rank not in self.handles:
             name = rank_file(rank, "safetensors")
-            path, info = self.path(name), self.info(name)
-            if not os.path.isfile(path):
-                raise missing(path)
+            path, info = self.checked(name), self.info(name)
             if os.path.getsize(path) != info["bytes"]:  # cheap: catches truncation first
                 raise corrupted(path, f"{os.path.getsize(path)} bytes, meta.json says "
                                       f"{info['bytes']}")
@@ -177,27 +202,30 @@ class Reader:
 
     def read(self, key: str, entry: Dict[str, Any], lo: int, hi: int,
              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Elements [lo, hi) of ``key``'s flattened tensor, from the files that hold them."""
+        """Elements [lo, hi) of ``key``'s flattened tensor, from the files that hold them.
+        Every piece is checked against its file's header before anything is allocated."""
         dtype = dtype or dtype_from(entry["dtype"], f"meta.json entry {key!r}")
         overlaps = [(rank, plo, phi, max(lo, plo), min(hi, phi))
                     for rank, plo, phi in entry["pieces"] if max(lo, plo) < min(hi, phi)]
         if sum(b - a for *_, a, b in overlaps) != hi - lo:
             raise corrupted(self.path(META), f"the pieces of {key!r} do not cover [{lo}, {hi})")
+        pieces = [self._piece(rank, key, plo, phi, dtype) for rank, plo, phi, _, _ in overlaps]
         if len(overlaps) == 1:  # one file holds it all: no assembly copy
-            rank, plo, phi, a, b = overlaps[0]
-            return self._piece(rank, key, phi - plo, dtype)[a - plo: b - plo]
+            _, plo, _, a, b = overlaps[0]
+            return pieces[0][a - plo: b - plo]
         out = torch.empty(hi - lo, dtype=dtype)
-        for rank, plo, phi, a, b in overlaps:
-            out[a - lo: b - lo] = self._piece(rank, key, phi - plo, dtype)[a - plo: b - plo]
+        for piece, (_, plo, _, a, b) in zip(pieces, overlaps):
+            out[a - lo: b - lo] = piece[a - plo: b - plo]
         return out
 
-    def _piece(self, rank: int, key: str, numel: int, dtype: torch.dtype):
+    def _piece(self, rank: int, key: str, plo: int, phi: int, dtype: torch.dtype):
         f = self.handle(rank)
         path = self.path(rank_file(rank, "safetensors"))
         if key not in self.tensor_names(rank):
             raise corrupted(path, f"no tensor {key!r}")
         piece = f.get_slice(key)
-        if piece.get_shape() != [numel] or ST_DTYPES.get(piece.get_dtype()) != dtype:
+        if piece.get_shape() != [phi - plo] or ST_DTYPES.get(piece.get_dtype()) != dtype:
             raise corrupted(path, f"{key!r} is {piece.get_dtype()}{piece.get_shape()}, "
-                                  f"meta.json says {dtype_name(dtype)}[{numel}]")
+                                  f"meta.json says {dtype_name(dtype)}[{phi - plo}]")
+        check_range(path, self.header(rank), key, plo, phi)
         return piece

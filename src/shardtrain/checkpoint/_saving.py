@@ -31,6 +31,8 @@ from ..log import logger
 from . import _engine_state as engine_state
 from ._agreement import Problem, agree, capture
 from ._format import LATEST, META, REPLACED, TMP, rank_file
+from ._integrity import header_metadata, manifest_digests
+from ._paths import is_plain_tag
 from ._safetensors_writer import write_safetensors
 from ._staging import Staged, stage_rank
 
@@ -56,10 +58,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
     engine_state.check_stage(parts, "save_checkpoint")
     save_dir = os.fspath(save_dir)
     tag = _agreed_tag(parts, tag)
-    staged, token = _stage(parts, save_dir, tag, client_state or {}, exclude_frozen_parameters)
+    staged, token, digests = _stage(parts, save_dir, tag, client_state or {},
+                                    exclude_frozen_parameters)
     tmp = os.path.join(save_dir, f"{tag}{TMP}{token}")
     with _removed_on_failure(tmp if comm.get_rank() == 0 else None):
-        files = _write(tmp, staged)
+        files = _write(tmp, staged, digests)
         _publish_everywhere(save_dir, tag, token, staged, files, save_latest)
     return True
 
@@ -76,9 +79,7 @@ def _agreed_tag(parts: TrainingParts, tag: Optional[str]) -> str:
         if mode == "Warn":
             logger.warning(message)
     tag = tags[0]
-    bad = (not tag or tag in (".", "..", LATEST) or "/" in tag or os.sep in tag
-           or TMP in tag or REPLACED in tag)
-    if bad:
+    if not is_plain_tag(tag):
         raise ValueError(f"save_checkpoint: tag {tag!r} cannot name a checkpoint directory "
                          f"(no '/', not 'latest', no '{TMP}' or '{REPLACED}'); choose another.")
     return tag
@@ -87,24 +88,27 @@ def _agreed_tag(parts: TrainingParts, tag: Optional[str]) -> str:
 # -- the three phases, each ended by an agreement of every rank --------------------------------
 
 def _stage(parts: TrainingParts, save_dir: str, tag: str, client_state: Dict[str, Any],
-           exclude_frozen: bool) -> Tuple[Staged, str]:
+           exclude_frozen: bool) -> Tuple[Staged, str, Dict[str, str]]:
     """Everything that can refuse happens here, before any file is written. Rank 0 makes
-    the temporary directory; the agreement is the barrier after which it exists."""
+    the temporary directory and the digests of meta.json's fields, which every rank records
+    in its file; the agreement is the barrier after which the directory exists."""
     box: List[Optional[Problem]] = [None]
-    staged, token = None, None
+    staged, sent = None, None
     with capture(box):
         staged = stage_rank(parts, client_state, exclude_frozen)
         if comm.get_rank() == 0:
-            token = _prepare_dirs(save_dir, tag)
-    return staged, agree(box[0], token)[0]
+            staged.meta = json.loads(json.dumps(dict(staged.meta, tag=tag)))  # as read back
+            sent = (_prepare_dirs(save_dir, tag), manifest_digests(staged.meta))
+    token, digests = agree(box[0], sent)[0]
+    return staged, token, digests
 
 
-def _write(tmp: str, staged: Staged) -> Files:
+def _write(tmp: str, staged: Staged, digests: Dict[str, str]) -> Files:
     """Every rank writes its files; every rank learns the sizes and CRC32s of all of them."""
     box: List[Optional[Problem]] = [None]
     infos: Files = {}
     with capture(box):
-        infos = _write_rank(tmp, staged)
+        infos = _write_rank(tmp, staged, digests)
     return {name: info for per_rank in agree(box[0], infos) for name, info in per_rank.items()}
 
 
@@ -160,10 +164,12 @@ def _recover_replaced(save_dir: str, tag: str) -> None:
             os.rename(path, final)
 
 
-def _write_rank(tmp: str, staged: Staged) -> Files:
+def _write_rank(tmp: str, staged: Staged, digests: Dict[str, str]) -> Files:
     """Writes this rank's files (fsync'ed); returns their sizes and CRC32s."""
     tensors_name = rank_file(staged.rank, "safetensors")
-    infos = {tensors_name: write_safetensors(os.path.join(tmp, tensors_name), staged.tensors)}
+    header = header_metadata(staged.rank, comm.get_world_size(), staged.ranges, digests)
+    infos = {tensors_name: write_safetensors(os.path.join(tmp, tensors_name), staged.tensors,
+                                             header)}
     _fault("after_file")
     json_name = rank_file(staged.rank, "json")
     infos[json_name] = write_synced(os.path.join(tmp, json_name),
@@ -188,7 +194,7 @@ def _publish(save_dir: str, tag: str, token: str, meta: Dict[str, Any], files: F
     """Rank 0, once every rank's files are on disk: meta.json, then the rename that makes
     the tag visible, then ``latest``. A kill at any point leaves a loadable checkpoint."""
     tmp = os.path.join(save_dir, f"{tag}{TMP}{token}")
-    meta = dict(meta, tag=tag, files=files)
+    meta = dict(meta, files=files)  # the tag is in meta already (and in its digests)
     write_synced(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     fsync_dir(tmp)
     _fault("before_rename")

@@ -12,8 +12,8 @@ RNG states and its own client_state.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class Staged:
     meta: Optional[Dict[str, Any]] = None  # rank 0 only
     rank: int = 0
     client_objects: Optional[bytes] = None  # the pickled part of client_state, if any
+    # tensor name -> [lo, hi) of the flattened parameter it holds (recorded in the header)
+    ranges: Dict[str, List[int]] = field(default_factory=dict)
 
 
 def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
@@ -47,7 +49,7 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
     client_json, client_tensors, client_objects = split_client_state(client_state)
     rank = comm.get_rank()
     trainables = engine_state.trainables(parts)
-    tensors = _model_tensors(parts, trainables, exclude_frozen)
+    tensors, ranges = _model_tensors(parts, trainables, exclude_frozen)
     tensors.update({f"client/{k}": v for k, v in client_tensors.items()})
     rng_json, rng_tensors = _rng_state(parts)
     tensors.update(rng_tensors)
@@ -58,22 +60,28 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
                  "client": {"json": client_json, "tensors": sorted(client_tensors),
                             "objects": sorted(map(str, client_objects))}}
     meta = describe(parts, trainables, exclude_frozen) if rank == 0 else None
-    return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects))
+    return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects), ranges)
 
 
 def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
-                   exclude_frozen: bool) -> Dict[str, torch.Tensor]:
-    """This rank's shards of the trainable parameters; on rank 0, the whole tensors too."""
+                   exclude_frozen: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[int]]]:
+    """This rank's shards of the trainable parameters; on rank 0, the whole tensors too;
+    and for each, the ``[lo, hi)`` of the flattened parameter it holds."""
     rank, world = comm.get_rank(), comm.get_world_size()
     tensors: Dict[str, torch.Tensor] = {}
+    ranges: Dict[str, List[int]] = {}
     for t in trainables.values():
-        tensors.update(_trainable_shard(parts, t, world, rank))
+        shard = _trainable_shard(parts, t, world, rank)
+        tensors.update(shard)
+        lo, hi = shard_range(engine_state.numel(t.param), world, rank)
+        ranges.update({key: [lo, hi] for key in shard})
     # A frozen partitioned parameter is gathered: a collective that every rank joins.
     if rank == 0 or engine_state.any_partitioned(parts):
         whole = _whole_tensors(parts, trainables, exclude_frozen)
         if rank == 0:
             tensors.update(whole)
-    return tensors
+            ranges.update({key: [0, value.numel()] for key, value in whole.items()})
+    return tensors, ranges
 
 
 def _trainable_shard(parts: TrainingParts, t: Trainable, world: int,

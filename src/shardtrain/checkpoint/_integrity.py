@@ -1,0 +1,139 @@
+"""A checkpoint that verifies itself: meta.json checked against the rank files' headers.
+
+The rank files are checked against the sizes and CRC32s meta.json lists; meta.json itself is
+checked against what every rank file recorded when it was written, in its safetensors header
+(``__metadata__``):
+
+* ``shardtrain.manifest``: a SHA-256 of each field of meta.json but ``files`` (canonical
+  JSON), computed by rank 0 before any file was written and given to every rank. An edit of
+  meta.json changes a field's digest; fixing the digests means editing a rank file, which
+  changes its CRC32, which meta.json's ``files`` records: no single edit passes, and the
+  error names the field;
+* ``shardtrain.rank``, ``shardtrain.world_size``: who wrote the file, in which world;
+* ``shardtrain.ranges``: for each tensor, the ``[lo, hi)`` of the flattened parameter it holds,
+  checked against the piece meta.json says the file holds before the piece is read.
+
+meta.json's own layout is checked first (:func:`check_layout`): element counts against
+shapes, and every piece against the even sharding the save uses, so a swapped or resized
+piece is named before anything is read or allocated.
+
+This detects corruption and edits; it is not a signature: whoever rewrites every file
+consistently makes a new checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Dict, List, Mapping, Optional
+
+from ..zero._shards import shard_range
+from ._agreement import Problem, corrupted
+from ._paths import RANK_FILE
+
+__all__ = ["manifest_digests", "header_metadata", "check_header", "check_range",
+           "check_layout", "HEADER_MANIFEST"]
+
+HEADER_FORMAT = "shardtrain.format"
+HEADER_RANK = "shardtrain.rank"
+HEADER_WORLD = "shardtrain.world_size"
+HEADER_RANGES = "shardtrain.ranges"
+HEADER_MANIFEST = "shardtrain.manifest"
+
+
+def manifest_digests(meta: Mapping[str, Any]) -> Dict[str, str]:
+    """SHA-256 of each field of meta.json but ``files`` (which lists the rank files' CRCs)."""
+    return {key: hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":"))
+                                .encode()).hexdigest()
+            for key, value in meta.items() if key != "files"}
+
+
+def header_metadata(rank: int, world: int, ranges: Dict[str, List[int]],
+                    digests: Dict[str, str]) -> Dict[str, str]:
+    """What a rank file's safetensors header records about the save."""
+    return {HEADER_FORMAT: "1", HEADER_RANK: str(rank), HEADER_WORLD: str(world),
+            HEADER_RANGES: json.dumps(ranges, separators=(",", ":")),
+            HEADER_MANIFEST: json.dumps(digests, sort_keys=True, separators=(",", ":"))}
+
+
+def check_header(path: str, meta_path: str, header: Optional[Dict[str, str]],
+                 meta: Mapping[str, Any], rank: int) -> None:
+    """The header of rank ``rank``'s file against meta.json (every field but ``files``)."""
+    if not header or HEADER_MANIFEST not in header:
+        raise corrupted(path, "its header has no shardtrain metadata")
+    if header.get(HEADER_RANK) != str(rank):
+        raise corrupted(path, f"written by rank {header.get(HEADER_RANK)}, not rank {rank}")
+    if header.get(HEADER_WORLD) != str(meta["world_size"]):
+        raise corrupted(meta_path, f"field 'world_size' is {meta['world_size']!r} but {path} "
+                                   f"was written in a world of {header.get(HEADER_WORLD)} ranks")
+    try:
+        saved = json.loads(header[HEADER_MANIFEST])
+    except ValueError:
+        raise corrupted(path, "its shardtrain.manifest is not JSON") from None
+    now = manifest_digests(meta)
+    for field in sorted(set(saved) | set(now)):
+        if saved.get(field) != now.get(field):
+            raise corrupted(meta_path, f"field {field!r} differs from what {path} recorded at "
+                                       "the save: meta.json was edited or damaged after it")
+
+
+def check_range(path: str, header: Optional[Dict[str, str]], key: str, lo: int, hi: int) -> None:
+    """meta.json says ``path`` holds elements ``[lo, hi)`` of ``key``: so must its header."""
+    ranges = json.loads(header[HEADER_RANGES]) if header and HEADER_RANGES in header else None
+    if ranges is None:
+        return  # a format-1 file: no ranges recorded
+    if ranges.get(key) != [lo, hi]:
+        raise corrupted(path, f"it holds elements {ranges.get(key)} of {key!r}, meta.json says "
+                              f"[{lo}, {hi})")
+
+
+def check_layout(meta: Mapping[str, Any], meta_path: str) -> None:
+    """meta.json's claims that need no file: element counts match shapes, every piece is where
+    the even sharding of the saving world puts it, and ``files`` names rank files only."""
+    world = meta["world_size"]
+    if not isinstance(world, int) or world < 1:
+        raise corrupted(meta_path, f"field 'world_size' is {world!r}")
+    _check_files(meta_path, meta["files"], world)
+    for field in ("params", "buffers"):
+        if not isinstance(meta[field], dict):
+            raise corrupted(meta_path, f"field {field!r} is not an object")
+        for name, entry in meta[field].items():
+            _check_entry(meta_path, f"{field}[{name!r}]", entry, world)
+
+
+def _check_entry(meta_path: str, where: str, entry: Any, world: int) -> None:
+    if not isinstance(entry, dict):
+        raise corrupted(meta_path, f"{where} is not an object")
+    shape, numel = entry.get("shape"), entry.get("numel")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) \
+            or not isinstance(numel, int) or numel != math.prod(shape):
+        raise corrupted(meta_path, f"{where} has shape {shape!r} and numel {numel!r}, which "
+                                   "do not agree")
+    if entry.get("trainable"):
+        expected = [[r, *shard_range(numel, world, r)] for r in range(world)]
+        expected = [p for p in expected if p[2] > p[1]]
+    else:
+        expected = [[0, 0, numel]] if numel else []
+    if entry.get("pieces") != expected:
+        raise corrupted(meta_path, f"{where}.pieces is {entry.get('pieces')!r}, but a save on "
+                                   f"{world} rank(s) puts it at {expected}")
+
+
+def _check_files(meta_path: str, files: Any, world: int) -> None:
+    if not isinstance(files, dict):
+        raise corrupted(meta_path, "field 'files' is not an object")
+    ranks = set()
+    for name in files:
+        match = RANK_FILE.fullmatch(name) if isinstance(name, str) else None
+        if match is None:
+            raise Problem(ValueError, f"{meta_path}: field 'files' names {name!r}, which is not "
+                                      "a rank file name; the checkpoint is damaged or was not "
+                                      "written by shardtrain.")
+        ranks.add(int(match.group(1)))
+    if ranks != set(range(world)):
+        raise corrupted(meta_path, f"field 'world_size' is {world} but field 'files' lists the "
+                                   f"files of rank(s) {sorted(ranks)}")
+    for rank in range(world):
+        for ext in ("safetensors", "json"):
+            if f"rank{rank:05d}.{ext}" not in files:
+                raise corrupted(meta_path, f"field 'files' does not list rank{rank:05d}.{ext}")
