@@ -71,6 +71,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._backward_task: Optional[int] = None
         self._backward_factor = 1.0
         self._step_grads: Optional[List[torch.Tensor]] = None  # reduced, for this step
+        self._step_losses: List[torch.Tensor] = []  # given to engine.backward this step
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
         self._last_print = (time.perf_counter(), 0)
@@ -79,6 +80,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._scaler: LossScaler = build_loss_scaler(config, self._precision)
         self._build_module()
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
+        if not trainable:
+            log_dist("the model has no trainable parameters (requires_grad is False everywhere): "
+                     "engine.backward() and engine.step() have nothing to train. Unfreeze "
+                     "parameters to train; for evaluation only, this is fine.", ranks=[0],
+                     level=logging.WARNING)
         self._strategy = self._build_strategy(trainable)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -149,9 +155,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if not is_map_dataset(training_data):
             raise TypeError(f"training_data must be a map-style dataset (with __len__ and "
                             f"__getitem__), got {type(training_data).__name__}.")
-        return ShardedDataLoader(training_data, self.train_micro_batch_size_per_gpu(),
-                                 self.global_rank, self.world_size, collate_fn,
-                                 self.config.dataloader_drop_last)
+        loader = ShardedDataLoader(training_data, self.train_micro_batch_size_per_gpu(),
+                                   self.global_rank, self.world_size, collate_fn,
+                                   self.config.dataloader_drop_last)
+        if len(loader) == 0:
+            raise ValueError(_no_batches(len(training_data), self.train_micro_batch_size_per_gpu(),
+                                         self.world_size))
+        return loader
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -259,6 +269,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             the loss divided by ``gradient_accumulation_steps`` (detached), as DeepSpeed does.
         """
         self._require_optimizer("backward")
+        if not loss.requires_grad:
+            raise RuntimeError(f"engine.backward(loss): the loss does not require gradients: "
+                               f"{self._why_no_grad()}")
+        self._step_losses.append(loss.detach())
         gas = self.gradient_accumulation_steps()
         factor = self._scaler.scale * (1 if scale_wrt_gas else gas)
         with accelerator.range("shardtrain.backward"):
@@ -270,6 +284,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 raise
             self._end_backward()
         return loss.detach() / gas if scale_wrt_gas else loss.detach()
+
+    def _why_no_grad(self) -> str:
+        if not self._strategy.params:
+            return ("the model has no trainable parameters (requires_grad is False everywhere); "
+                    "unfreeze the parameters to train, e.g. p.requires_grad_(True).")
+        return ("it was computed without gradients (under torch.no_grad() or "
+                "torch.inference_mode(), or from detached tensors); compute it from the "
+                "engine's outputs with gradients enabled.")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -304,9 +326,20 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self._step_applied = False
             with self._in_phase(Phase.STEP):
                 if self.is_gradient_accumulation_boundary():
+                    self._require_backward()
                     self._take_model_step(lr_kwargs)
                     self._watch.after_step()  # records, timer logs, profiles (telemetry)
             self.train_state.micro_steps += 1
+
+    def _require_backward(self) -> None:
+        """An update needs gradients: a step without any backward since the last one would
+        apply a zero-gradient update (weight decay, moment decay) and count it."""
+        if self._backward_calls == 0 and not self._strategy.received_grads():
+            raise RuntimeError(
+                f"engine.step() at the accumulation boundary (micro-step {self.micro_steps}), "
+                "but no backward ran since the last update: call engine.backward(loss) (or "
+                "loss.backward()) for every micro-batch before engine.step(); to drop the "
+                "micro-batches since the last update, call engine.zero_grad() instead.")
 
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
         self._watch.step_begin()
@@ -332,20 +365,53 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         scale, clip = self._scaler.scale, self.config.gradient_clipping
         if scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / scale)
-        if clip <= 0 and not self._precision.check_overflow:
+        checks = self._precision.on_nonfinite != "apply"
+        if clip <= 0 and not checks:
             self._global_grad_norm = None
             return False
         norm = self._strategy.global_norm(grads, self.device)
         norm_value = norm.item()  # the one host sync of the step
         reported = self.config.zero_optimization.compute_grad_norm
         self._global_grad_norm = norm_value if reported else None
-        if self._precision.check_overflow and not math.isfinite(norm_value):
+        if checks and not math.isfinite(norm_value):
             self._global_grad_norm = float("inf")
+            self._report_nonfinite()
             return True
         if clip > 0 and grads:
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         return False
+
+    def _report_nonfinite(self) -> None:
+        """The gradients hold inf/NaN (the norm is global: every rank is here). Says on which
+        ranks the loss given to ``engine.backward`` was not finite, then logs the skip or, with
+        ``nonfinite_gradients: "error"``, raises."""
+        step, where = self.global_steps + 1, self._nonfinite_losses()
+        if self._precision.on_nonfinite == "error":
+            raise FloatingPointError(
+                f"step {step}: the gradients hold inf/NaN ({where}) and nonfinite_gradients is "
+                "\"error\". Lower the learning rate, enable gradient_clipping, check the data of "
+                "those ranks, or set nonfinite_gradients to \"skip\" to skip such steps.")
+        if self._precision.scales_loss:  # fp16: routine while the loss scale settles
+            log_dist(f"step {step}: fp16 gradients overflow at loss scale {self._scaler.scale:g} "
+                     f"({where}); the step is skipped.", ranks=[0], level=logging.INFO)
+            return
+        log_dist(f"step {step}: the gradients hold inf/NaN ({where}); the step is skipped "
+                 f"({self.skipped_steps + 1} skipped so far). Set nonfinite_gradients to "
+                 "\"error\" to stop instead.", ranks=[0], level=logging.WARNING)
+
+    def _nonfinite_losses(self) -> str:
+        """Which ranks' losses were inf/NaN this step (a collective, on the skip path only)."""
+        local = None
+        if self._step_losses:
+            local = not all(bool(torch.isfinite(x).all()) for x in self._step_losses)
+        flags = comm.all_gather_object(local)
+        bad = [rank for rank, flag in enumerate(flags) if flag]
+        if bad:
+            return f"the loss was not finite on rank(s) {bad}"
+        if all(flag is False for flag in flags):
+            return "the losses were finite on every rank: inf/NaN arose in backward"
+        return "losses given to engine.backward on every rank would say which rank"
 
     def _reduced_grads(self) -> List[torch.Tensor]:
         """Finishes this step's gradient reduction (once) and hands the optimizer its
@@ -379,6 +445,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def _clear_grads(self) -> None:
         self._step_grads = None
+        self._step_losses = []
         self._strategy.zero_grads()
 
     def _advance_counters(self) -> None:
@@ -748,6 +815,15 @@ def _apply_logging_keys(config: ShardConfig) -> None:
     if config.vocabulary_size is not None and config.vocabulary_size % 8:
         log_dist_once(f"vocabulary_size {config.vocabulary_size} is not a multiple of 8: "
                       "padding it to one makes matrix products faster on tensor cores.")
+
+
+def _no_batches(samples: int, micro: int, world: int) -> str:
+    if samples == 0:
+        return "training_data is empty (0 samples): the loader would yield no batch; give it data."
+    return (f"training_data has {samples} samples but a micro-batch takes {micro} on each of "
+            f"{world} rank(s) ({micro * world} per micro-step) and dataloader_drop_last is true: "
+            "the loader would yield no batch. Lower train_micro_batch_size_per_gpu, set "
+            "dataloader_drop_last to false, or give more data.")
 
 
 def _unique(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:

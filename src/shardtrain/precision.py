@@ -84,11 +84,16 @@ class LossScaler:
 
 @dataclass(frozen=True)
 class Precision:
-    """The precision policy the engine follows; built once from the config."""
+    """The precision policy the engine follows; built once from the config.
+
+    ``on_nonfinite`` is what a step whose gradients hold inf/NaN does: ``"skip"`` (fp16
+    always; every precision by default), ``"apply"`` (``nonfinite_gradients: "apply"``, or
+    ``bf16.check_grad_overflow: false``) or ``"error"``.
+    """
 
     param_dtype: torch.dtype = torch.float32
     autocast_dtype: Optional[torch.dtype] = None
-    check_overflow: bool = False
+    on_nonfinite: str = "skip"
 
     @property
     def master_weights(self) -> bool:
@@ -102,15 +107,16 @@ class Precision:
 
     @classmethod
     def from_config(cls, cfg, device_type: str) -> "Precision":
+        mode = cfg.nonfinite_gradients or "skip"
         if cfg.fp16.enabled:
-            return cls(torch.float16, None, True)
+            return cls(torch.float16, None, "skip")
         if cfg.bf16.enabled:
-            return cls(torch.bfloat16, None, cfg.bf16.check_grad_overflow)
+            return cls(torch.bfloat16, None, mode if cfg.bf16.check_grad_overflow else "apply")
         if cfg.torch_autocast.enabled:
             # No dtype means torch.autocast's own default: bf16 on the CPU, fp16 on CUDA.
             dtype = cfg.torch_autocast.dtype or torch.get_autocast_dtype(device_type)
-            return cls(torch.float32, dtype, dtype == torch.float16)
-        return cls()
+            return cls(torch.float32, dtype, "skip" if dtype == torch.float16 else mode)
+        return cls(on_nonfinite=mode)
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """The forward context. With autocast off in the config it is switched off, so a

@@ -776,3 +776,28 @@ def test_hugging_face_example_configs_load():
     assert load(zero3).zero_optimization.stage == 3
     assert load({"zero_optimization": {"sub_group_size": 1e8, "elastic_checkpoint": True}}
                 ).zero_optimization.sub_group_size == 100_000_000
+
+
+# ---------------------------------------------------------------------------- non-finite steps
+
+def test_nonfinite_gradients_takes_skip_apply_or_error_in_any_case():
+    assert load_config({"train_batch_size": 4}, 1).nonfinite_gradients is None  # skip
+    assert load_config({"train_batch_size": 4, "nonfinite_gradients": "ERROR"}, 1) \
+        .nonfinite_gradients == "error"
+    with pytest.raises(ConfigError, match="nonfinite_gradients"):
+        load_config({"train_batch_size": 4, "nonfinite_gradients": "ignore"}, 1)
+
+
+@pytest.mark.parametrize("mode", ["apply", "error"])
+def test_nonfinite_gradients_other_than_skip_is_refused_with_fp16(mode):
+    with pytest.raises(ConfigError, match=f'nonfinite_gradients "{mode}" cannot be used with fp16: '
+                                          "loss scaling skips"):
+        load_config({"train_batch_size": 4, "fp16": {"enabled": True},
+                     "nonfinite_gradients": mode}, 1)
+
+
+def test_bf16_check_grad_overflow_false_and_nonfinite_gradients_disagree():
+    with pytest.raises(ConfigError, match='bf16.check_grad_overflow is false .* but '
+                                          'nonfinite_gradients is "error"; keep one'):
+        load_config({"train_batch_size": 4, "bf16": {"enabled": True, "check_grad_overflow": False},
+                     "nonfinite_gradients": "error"}, 1)

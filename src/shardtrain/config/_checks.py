@@ -38,12 +38,25 @@ def _check_combinations(cfg: "ShardConfig") -> None:
         if users:
             raise ConfigError(f"gradient_allreduce_op \"sum\" cannot be used with {users[0]}; set "
                               "gradient_allreduce_op to \"mean\" (the default).")
+    _check_nonfinite(cfg)
     param_dtype = cfg.data_types.param_dtype
     if param_dtype is not None:
         mode = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         if param_dtype != mode:
             raise ConfigError(f"data_types.param_dtype {_show(param_dtype)} does not match the precision mode "
                               f"({_show(mode)}); remove it or make it {_show(mode)}.")
+
+
+def _check_nonfinite(cfg: "ShardConfig") -> None:
+    mode = cfg.nonfinite_gradients
+    fp16 = cfg.fp16.enabled or (cfg.torch_autocast.enabled and cfg.torch_autocast.dtype == torch.float16)
+    if fp16 and mode in ("apply", "error"):
+        raise ConfigError(f"nonfinite_gradients \"{mode}\" cannot be used with fp16: loss scaling skips a step "
+                          "whose gradients overflow and lowers the scale, by design. Remove the key (fp16 "
+                          "skips), or train in bf16 or fp32.")
+    if cfg.bf16.enabled and not cfg.bf16.check_grad_overflow and mode is not None and mode != "apply":
+        raise ConfigError(f"bf16.check_grad_overflow is false (apply non-finite steps) but nonfinite_gradients "
+                          f"is \"{mode}\"; keep one of the two keys.")
 
 
 def situational_notes(cfg: "ShardConfig", nodes: int) -> List[str]:

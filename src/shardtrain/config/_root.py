@@ -71,6 +71,9 @@ class ShardConfig(_ConfigModel):
                                                        "logged every steps_per_print steps (rank 0)")
     memory_breakdown: _Bool = Field(False, description="memory per rank in the steps_per_print log")
     gradient_clipping: _Float = Field(1.0, ge=0.0, description="global-norm clip threshold; 0 disables")
+    nonfinite_gradients: Annotated[Optional[Literal["skip", "apply", "error"]], BeforeValidator(_lower)] = Field(
+        None, description="a step whose gradients hold inf/NaN: skip it (the default; counted in skipped_steps), "
+                          "apply it, or raise an error (shardtrain only)")
     prescale_gradients: _Bool = Field(False, description="divide by the world size before the all-reduce")
     gradient_predivide_factor: _Float = Field(1.0, gt=0.0,
                                               description="share of the averaging done before the all-reduce")

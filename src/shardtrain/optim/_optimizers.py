@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
 import torch
 from torch.optim import Optimizer
 
-from ._spec import _check_kwargs, _did_you_mean, _split_spec
+from ._spec import _check_kwargs, _check_values, _did_you_mean, _split_spec
 
 __all__ = ["DS_OPTIMIZER_NAMES", "build_optimizer"]
 
@@ -65,6 +65,7 @@ def _instantiate(cls: type, label: str, params: List[Any], kwargs: Dict[str, Any
                  extra: Iterable[str] = ()) -> Optimizer:
     """Check keyword names against ``cls`` and build it."""
     _check_kwargs(cls, kwargs, {"params"}, f"Optimizer '{label}' ({cls.__name__})", extra)
+    _check_values(cls, kwargs, f"Optimizer '{label}' ({cls.__name__})")
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
     return cls(params, **kwargs)

@@ -12,6 +12,8 @@ import difflib
 import inspect
 from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
+import torch
+
 
 def _split_spec(spec: Mapping[str, Any], kind: str) -> Tuple[str, Dict[str, Any]]:
     """Return ``(type, copy of params)`` from a config block, validating its shape."""
@@ -66,3 +68,26 @@ def _check_kwargs(target: Any, kwargs: Mapping[str, Any], skip: Set[str], label:
     missing = sorted(required - set(kwargs))
     if missing:
         raise ValueError(f"{label} needs the parameter(s) {missing} in its 'params' block")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_values(target: Any, kwargs: Mapping[str, Any], label: str) -> None:
+    """Raise ValueError for a value of the wrong kind where ``target``'s default tells the
+    kind: a number (``lr``, ``eps``, ``weight_decay``...) or a tuple of numbers (``betas``),
+    instead of the comparison or indexing error the constructor would raise."""
+    for pname, param in inspect.signature(target).parameters.items():
+        if pname not in kwargs:
+            continue
+        default, value = param.default, kwargs[pname]
+        if _is_number(default) and not (_is_number(value) or isinstance(value, torch.Tensor)):
+            raise ValueError(f"{label}: params.{pname} is {value!r}, not a number; give a "
+                             f"number such as {default!r}.")
+        if isinstance(default, tuple) and default and all(map(_is_number, default)) and not (
+                isinstance(value, (list, tuple)) and len(value) == len(default)
+                and all(map(_is_number, value))):
+            raise ValueError(f"{label}: params.{pname} is {value!r}; it takes {len(default)} "
+                             f"numbers, such as {list(default)}.")
+

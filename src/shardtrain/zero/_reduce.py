@@ -245,6 +245,7 @@ class FullGrads:
         _check_not_reduced(bucket)
         bucket.used[index] = True
         bucket.arrived += 1
+        self.received = True
         if self.overlap and self._sync:
             for ready in self.queue.take_ready():
                 self.queue.sent(ready, self.exchange.send(ready))
@@ -276,6 +277,7 @@ class FullGrads:
         self.queue.next = 0
         self.exchange.reset()
         self._sync = False
+        self.received = False  # a gradient arrived since the last step
 
     def storage(self) -> List[torch.Tensor]:
         return [bucket.buffer for bucket in self.queue.buckets]
@@ -360,6 +362,7 @@ class ShardedGrads:
         _check_not_reduced(bucket)
         bucket.used[index] = True
         bucket.arrived += 1
+        self.received = True
         if self.overlap:
             for ready in self.queue.take_ready():
                 self._send(ready)
@@ -407,6 +410,7 @@ class ShardedGrads:
             p.grad = None
         self.begin_forward()
         self.queue.drain()
+        self.received = False  # a gradient arrived since the last step
 
     def storage(self) -> List[torch.Tensor]:
         return list(self.shards.values())

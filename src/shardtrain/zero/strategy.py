@@ -82,6 +82,9 @@ class StrategyProtocol(Protocol):
     def slots(self) -> List[ParamSlot]:
         """What the optimizer holds of each trainable parameter on this rank."""
 
+    def received_grads(self) -> bool:
+        """A gradient arrived since the last :meth:`zero_grads`."""
+
     def refresh_masters(self, params: Optional[List[torch.nn.Parameter]] = None) -> None:
         """Weights were written into the module: the optimizer's copies follow."""
 
@@ -138,6 +141,9 @@ class Strategy:
 
     def slots(self) -> List[ParamSlot]:
         return self._view.slots(sharded=self.stage > 0 and self._world > 1)
+
+    def received_grads(self) -> bool:
+        return self._grads.received
 
     def refresh_masters(self, params: Optional[List[torch.nn.Parameter]] = None) -> None:
         self._view.refresh_masters(params)
