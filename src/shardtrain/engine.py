@@ -366,9 +366,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / scale)
         checks = self._precision.on_nonfinite != "apply"
-        if clip <= 0 and not checks:
+        if clip <= 0 and not self._precision.overflow_by_norm:  # a finiteness check suffices
             self._global_grad_norm = None
-            return False
+            if not checks or self._strategy.all_finite(grads, self.device):
+                return False
+            self._global_grad_norm = float("inf")
+            self._report_nonfinite()
+            return True
         norm = self._strategy.global_norm(grads, self.device)
         norm_value = norm.item()  # the one host sync of the step
         reported = self.config.zero_optimization.compute_grad_norm
@@ -411,7 +415,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return f"the loss was not finite on rank(s) {bad}"
         if all(flag is False for flag in flags):
             return "the losses were finite on every rank: inf/NaN arose in backward"
-        return "losses given to engine.backward on every rank would say which rank"
+        return "which rank's loss was not finite is known when every rank calls engine.backward(loss)"
 
     def _reduced_grads(self) -> List[torch.Tensor]:
         """Finishes this step's gradient reduction (once) and hands the optimizer its

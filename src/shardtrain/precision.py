@@ -101,6 +101,13 @@ class Precision:
         return self.param_dtype != torch.float32
 
     @property
+    def overflow_by_norm(self) -> bool:
+        """16-bit training decides a skip from the global gradient norm every step (and
+        reports it), as DeepSpeed's fp16/bf16 optimizers do; fp32 without clipping only needs
+        a cheaper finiteness check."""
+        return self.on_nonfinite != "apply" and (self.scales_loss or self.master_weights)
+
+    @property
     def scales_loss(self) -> bool:
         """fp16 in the module or under autocast: the loss is scaled (and overflows skip)."""
         return torch.float16 in (self.param_dtype, self.autocast_dtype)

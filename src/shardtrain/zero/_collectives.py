@@ -9,7 +9,8 @@ from the bookkeeping makes the traffic of a step readable in one place:
 * stages 1-3: :func:`reduce_scatter_rows` per gradient bucket (each rank receives the sum of
   its own row), :func:`all_gather_rows` after the step (and at stage 3 before each use of a
   parameter group);
-* :func:`global_norm`: one all-reduce of a scalar when the gradients are sharded;
+* :func:`global_norm` and :func:`all_finite`: one all-reduce of a scalar when the gradients are
+  sharded;
 * outside the step, :func:`broadcast` (rank 0's initial values, ``GatheredParameters``
   with a ``modifier_rank``) and :func:`gather_chunks` (one parameter gathered on demand).
 
@@ -18,6 +19,7 @@ Rows follow the rank-major layout of :mod:`._shards`: a ``[world, row]`` buffer 
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -81,6 +83,18 @@ def global_norm(grads: Sequence[torch.Tensor], device: torch.device, sharded: bo
     squared = local_norm(grads, device).square().reshape(1).to(device)
     comm.all_reduce(squared)  # offloaded gradients sit in host memory: reduce on the device
     return squared.sqrt()[0]
+
+
+def all_finite(grads: Sequence[torch.Tensor], device: torch.device, sharded: bool) -> bool:
+    """Whether every element of the whole model's gradient is finite, the same answer on
+    every rank. A sum is cheaper than a norm (no squares) and as telling: one inf or NaN
+    makes it non-finite; sharded gradients add their sums across ranks (one scalar)."""
+    total = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads \
+        else torch.zeros((), device=device)
+    if sharded:
+        total = total.reshape(1).to(device)
+        comm.all_reduce(total)
+    return math.isfinite(total.item())  # the one host synchronisation of such a step
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:

@@ -73,6 +73,9 @@ class StrategyProtocol(Protocol):
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The norm of the whole model's gradient, the same on every rank."""
 
+    def all_finite(self, grads: List[torch.Tensor], device: torch.device) -> bool:
+        """Whether the whole model's gradient is finite, the same answer on every rank."""
+
     def after_step(self) -> None:
         """The optimizer stepped: module parameters catch up with what it updated."""
 
@@ -184,6 +187,9 @@ class Strategy:
 
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         return coll.global_norm(grads, device, sharded=self.stage > 0)
+
+    def all_finite(self, grads: List[torch.Tensor], device: torch.device) -> bool:
+        return coll.all_finite(grads, device, sharded=self.stage > 0)
 
     def after_step(self) -> None:
         """Updated masters into the module's slices, then every rank's slices gathered."""
