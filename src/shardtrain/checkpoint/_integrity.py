@@ -31,8 +31,8 @@ from ..zero._shards import shard_range
 from ._agreement import Problem, corrupted
 from ._paths import RANK_FILE
 
-__all__ = ["manifest_digests", "header_metadata", "check_header", "check_range",
-           "check_layout", "HEADER_MANIFEST"]
+__all__ = ["manifest_digests", "header_metadata", "check_header", "header_ranges",
+           "check_range", "check_layout", "HEADER_MANIFEST"]
 
 HEADER_FORMAT = "shardtrain.format"
 HEADER_RANK = "shardtrain.rank"
@@ -57,8 +57,9 @@ def header_metadata(rank: int, world: int, ranges: Dict[str, List[int]],
 
 
 def check_header(path: str, meta_path: str, header: Optional[Dict[str, str]],
-                 meta: Mapping[str, Any], rank: int) -> None:
-    """The header of rank ``rank``'s file against meta.json (every field but ``files``)."""
+                 meta: Mapping[str, Any], rank: int, digests: Dict[str, str]) -> None:
+    """The header of rank ``rank``'s file against meta.json (every field but ``files``), whose
+    :func:`manifest_digests` are ``digests``."""
     if not header or HEADER_MANIFEST not in header:
         raise corrupted(path, "its header has no shardtrain metadata")
     if header.get(HEADER_RANK) != str(rank):
@@ -70,16 +71,21 @@ def check_header(path: str, meta_path: str, header: Optional[Dict[str, str]],
         saved = json.loads(header[HEADER_MANIFEST])
     except ValueError:
         raise corrupted(path, "its shardtrain.manifest is not JSON") from None
-    now = manifest_digests(meta)
-    for field in sorted(set(saved) | set(now)):
-        if saved.get(field) != now.get(field):
+    for field in sorted(set(saved) | set(digests)):
+        if saved.get(field) != digests.get(field):
             raise corrupted(meta_path, f"field {field!r} differs from what {path} recorded at "
                                        "the save: meta.json was edited or damaged after it")
 
 
-def check_range(path: str, header: Optional[Dict[str, str]], key: str, lo: int, hi: int) -> None:
-    """meta.json says ``path`` holds elements ``[lo, hi)`` of ``key``: so must its header."""
-    ranges = json.loads(header[HEADER_RANGES]) if header and HEADER_RANGES in header else None
+def header_ranges(header: Optional[Dict[str, str]]) -> Optional[Dict[str, List[int]]]:
+    """The ``[lo, hi)`` a rank file's header records for each tensor (None: format 1)."""
+    return json.loads(header[HEADER_RANGES]) if header and HEADER_RANGES in header else None
+
+
+def check_range(path: str, ranges: Optional[Dict[str, List[int]]], key: str, lo: int,
+                hi: int) -> None:
+    """meta.json says ``path`` holds elements ``[lo, hi)`` of ``key``: so must its header's
+    ``ranges`` (:func:`header_ranges`)."""
     if ranges is None:
         return  # a format-1 file: no ranges recorded
     if ranges.get(key) != [lo, hi]:

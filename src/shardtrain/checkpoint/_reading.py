@@ -22,7 +22,7 @@ from ..log import logger
 from ._agreement import Problem, corrupted, missing
 from ._format import (FORMAT, FORMAT_VERSION, META, REPLACED, ST_DTYPES, TMP, dtype_from,
                       dtype_name, rank_file)
-from ._integrity import check_header, check_layout, check_range
+from ._integrity import check_header, check_layout, check_range, header_ranges, manifest_digests
 from ._paths import RANK_FILE, check_tag, inside, read_latest, regular_file
 
 __all__ = ["Reader", "resolve", "read_json", "read_meta", "module_key", "entry_for"]
@@ -137,6 +137,8 @@ class Reader:
         self.handles: Dict[int, Any] = {}
         self.keys: Dict[int, set] = {}
         self.headers: Dict[int, Optional[Dict[str, str]]] = {}
+        self.ranges: Dict[int, Any] = {}
+        self._digests: Optional[Dict[str, str]] = None
 
     def path(self, name: str) -> str:
         if name != META and RANK_FILE.fullmatch(name) is None:
@@ -174,8 +176,10 @@ class Reader:
         header = self.header(rank)
         if header is None and self.meta.get("version") == 1:
             return  # written before rank files recorded meta.json's digests
+        if self._digests is None:
+            self._digests = manifest_digests(self.meta)
         check_header(self.path(rank_file(rank, "safetensors")), self.path(META), header,
-                     self.meta, rank)
+                     self.meta, rank, self._digests)
 
     def header(self, rank: int) -> Optional[Dict[str, str]]:
         if rank not in self.headers:
@@ -227,5 +231,7 @@ class Reader:
         if piece.get_shape() != [phi - plo] or ST_DTYPES.get(piece.get_dtype()) != dtype:
             raise corrupted(path, f"{key!r} is {piece.get_dtype()}{piece.get_shape()}, "
                                   f"meta.json says {dtype_name(dtype)}[{phi - plo}]")
-        check_range(path, self.header(rank), key, plo, phi)
+        if rank not in self.ranges:
+            self.ranges[rank] = header_ranges(self.header(rank))
+        check_range(path, self.ranges[rank], key, plo, phi)
         return piece
