@@ -175,3 +175,14 @@ def test_a_refused_step_is_not_counted(misuse):
 def test_a_model_without_trainable_parameters_is_warned_about_at_start(misuse):
     warnings = result(misuse, "frozen_model", 0)["warnings"]
     assert any("the model has no trainable parameters" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize("tag", ["../outside", "/etc", "global_step2/../global_step2"])
+def test_the_consolidate_command_refuses_a_tag_that_leads_elsewhere(attacks, tag, tmp_path, capsys):
+    from shardtrain.cli import main
+    root, _ = attacks
+    out = tmp_path / "out.safetensors"
+    assert main(["consolidate", str(root / "base"), str(out), "--tag", tag]) == 1
+    err = capsys.readouterr().err
+    assert f"tag {tag!r} is not a plain directory name" in err, err
+    assert not out.exists()
