@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .full_weights import full_state_dict
 from .zero.strategy import ParamSlot
 
 #: engines alive in this process, to find the one that trains a parameter
@@ -182,14 +183,12 @@ class DeepSpeedEngineAPI:
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                              ) -> Optional[Dict[str, torch.Tensor]]:
         """The full 16-bit (module dtype) weights on rank 0, as CPU tensors; None on the
-        other ranks. Every rank must call it (stage 3 gathers one module at a time)."""
-        state = self.module.state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if self.global_rank != 0:
-            return None
-        return {k: v.detach().cpu() for k, v in state.items()}
+        other ranks (DeepSpeed's documented behaviour). Every rank must call it: at stage 3
+        each module's parameters are gathered in turn, copied to rank 0's host and released,
+        so no rank's device holds more than one module's parameters beyond its shards."""
+        frozen = [n for n, p in self.module.named_parameters() if not p.requires_grad] \
+            if exclude_frozen_parameters else []
+        return full_state_dict(self.module, exclude=frozen, rank=0)
 
     def empty_partition_cache(self) -> None:
         """Releases the stage-3 parameters forward hooks keep gathered (after ``generate()``

@@ -28,7 +28,7 @@ __all__ = [
     "get_local_rank", "get_local_world_size", "get_backend", "available_backends", "barrier",
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
-    "LaunchEnv", "detect_launch_env",
+    "LaunchEnv", "detect_launch_env", "SideGroup", "side_group", "before_destroy",
 ]
 
 logger = logging.getLogger("shardtrain")
@@ -175,12 +175,14 @@ def destroy() -> None:
     connections while a peer is still receiving that collective's final bytes, and the peer
     aborts.
     """
-    global _owns_group
+    global _owns_group, _side
+    for fn in list(_before_destroy):
+        fn()
     if dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
-    _owns_group = False
+    _owns_group, _side = False, None
 
 
 def is_initialized() -> bool:
@@ -331,13 +333,42 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
         dist.broadcast(tensor, src=src)
 
 
-def all_gather_object(obj) -> list:
-    """Gathers one picklable object from every rank (small metadata only)."""
+def all_gather_object(obj, group: Optional["SideGroup"] = None) -> list:
+    """Gathers one picklable object from every rank (small metadata only); over ``group``
+    (a :func:`side_group`) when given."""
     if get_world_size() == 1:
         return [obj]
     out: list = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group.handle if group is not None else None)
     return out
+
+
+class SideGroup:
+    """A second process group over every rank (gloo), for work that runs beside training in
+    another thread: collectives on the default group are matched by order, so a background
+    thread must never issue one there."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+
+_side: Optional[SideGroup] = None
+_before_destroy: List[Callable[[], None]] = []
+
+
+def side_group() -> SideGroup:
+    """The process's side group, created on first use (a collective: every rank calls it at
+    the same point, from the main thread)."""
+    global _side
+    if _side is None:
+        _side = SideGroup(dist.new_group(backend="gloo") if get_world_size() > 1 else None)
+    return _side
+
+
+def before_destroy(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` at the start of :func:`destroy` (to finish work that uses the groups)."""
+    if fn not in _before_destroy:
+        _before_destroy.append(fn)
 
 
 def broadcast_object(obj, src: int = 0):

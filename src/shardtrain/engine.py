@@ -22,7 +22,8 @@ from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
 from .log import log_dist, log_dist_once, logger
-from .memory import count_bytes, write_weights
+from .full_weights import save_full_weights
+from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
 from .precision import LossScaler, Precision, build_loss_scaler
 from .state import Phase, TrainingParts, TrainState
@@ -689,20 +690,20 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Writes the full module weights (in the module's dtype) to one file; call it on
-        every rank (at stage 3 the weights are gathered one module at a time), rank 0 writes.
+        every rank, rank 0 writes. The write is atomic.
 
-        A name ending in ``.safetensors`` writes safetensors, anything else ``torch.save``
-        (loadable with ``torch.load(..., weights_only=True)``). The write is atomic.
+        A name ending in ``.safetensors`` writes safetensors as the weights arrive: at stage 3
+        they are gathered one module at a time, so any rank's device holds at most one more
+        module's parameters and rank 0's host one tensor at a time. Any other name is a
+        ``torch.save`` file (loadable with ``torch.load(..., weights_only=True)``), for which
+        rank 0 holds the whole state dict on the host.
 
         Example:
             >>> engine.save_16bit_model("out", "model.safetensors")
         """
-        state = self.module.state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if self.global_rank == 0:
-            write_weights(state, os.path.join(save_dir, save_filename))
+        frozen = [n for n, p in self.module.named_parameters() if not p.requires_grad] \
+            if exclude_frozen_parameters else []
+        save_full_weights(self.module, os.path.join(save_dir, save_filename), exclude=frozen)
         comm.barrier()
         return True
 

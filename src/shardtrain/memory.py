@@ -1,17 +1,19 @@
-"""Counting the bytes of model states a rank holds.
+"""Counting the bytes of model states a rank holds, and the peak memory of a block.
 
 Tensors that share storage (a gradient that is a view into a flat bucket, a parameter
 tied to another) are counted once, in the first category that names them.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable
+import contextlib
+from typing import Dict, Iterable, Iterator, Optional
 
 import torch
 
+from . import accelerator
 from ._fileio import atomic_path
 
-__all__ = ["count_bytes", "zero_formula_bytes", "write_weights"]
+__all__ = ["count_bytes", "zero_formula_bytes", "write_weights", "peak_memory"]
 
 
 def count_bytes(groups: Dict[str, Iterable[torch.Tensor]]) -> Dict[str, int]:
@@ -45,6 +47,49 @@ def zero_formula_bytes(num_params: int, world_size: int, stage: int, param_bytes
     """
     p, g, k, n = param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params, world_size
     return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+@contextlib.contextmanager
+def peak_memory() -> Iterator[Dict[str, Optional[int]]]:
+    """Measures how far the block raised this process's memory above its level at the start:
+    ``host``, the peak resident memory (Linux: the kernel's high-water mark, reset at the
+    start; None where it cannot be read), and ``device``, CUDA's peak of allocated bytes (0
+    without CUDA). The dict is filled when the block ends.
+
+    Example:
+        >>> with peak_memory() as peak:
+        ...     engine.save_16bit_model("out", "model.safetensors")
+        >>> peak["host"], peak["device"]
+    """
+    result: Dict[str, Optional[int]] = {}
+    host_start = _reset_resident_peak()
+    device_start = accelerator.memory_stats().get("allocated", 0)
+    accelerator.reset_peak_memory()
+    yield result
+    peak = _resident("VmHWM")
+    result["host"] = None if host_start is None or peak is None else max(peak - host_start, 0)
+    result["device"] = max(accelerator.memory_stats().get("peak", device_start) - device_start, 0)
+
+
+def _resident(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_resident_peak() -> Optional[int]:
+    """Resets the high-water mark to the current resident memory; returns that."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _resident("VmRSS")
 
 
 def write_weights(state: Dict[str, torch.Tensor], path: str) -> None:

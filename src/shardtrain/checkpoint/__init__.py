@@ -45,9 +45,11 @@ Example:
     >>> path, client = engine.load_checkpoint("checkpoints")   # the tag named by ``latest``
     >>> consolidate("checkpoints", "model.safetensors")        # one process, no group needed
 """
+from ._background import wait_for_checkpoint
 from ._consolidation import consolidate, full_weights
 from ._format import FORMAT_VERSION
 from ._loading import load_checkpoint
 from ._saving import save_checkpoint
 
-__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION"]
+__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION",
+           "wait_for_checkpoint"]

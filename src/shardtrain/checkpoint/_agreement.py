@@ -72,14 +72,15 @@ def capture(box: List[Optional[Problem]]) -> Iterator[None]:
         box[0] = problem_of(error)
 
 
-def agree(problem: Optional[Problem], payload: Any = None) -> List[Any]:
+def agree(problem: Optional[Problem], payload: Any = None,
+          group: Optional[comm.SideGroup] = None) -> List[Any]:
     """Gathers every rank's outcome of a phase; raises the first rank's problem on all ranks.
 
     Every phase of a save or load ends here: a rank that fails still joins this collective,
     so no rank is left waiting in a collective the failing one never reaches.
     """
     sent = (problem.kind, problem.message) if problem is not None else None
-    gathered = comm.all_gather_object((sent, payload))
+    gathered = comm.all_gather_object((sent, payload), group)
     failures = [(rank, err) for rank, (err, _) in enumerate(gathered) if err is not None]
     if failures:
         rank, (kind, message) = failures[0]

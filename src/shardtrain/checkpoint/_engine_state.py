@@ -27,7 +27,7 @@ from ._format import dtype_name
 __all__ = [
     "Trainable", "shape", "numel", "own_shard", "param_range", "set_param", "set_shard",
     "named_params", "named_buffers", "trainables", "aliases", "any_partitioned",
-    "zero_stage", "check_stage", "global_steps", "counters", "restore_counters",
+    "zero_stage", "check_stage", "async_save", "global_steps", "counters", "restore_counters",
     "tag_validation", "config_dict", "precision", "optimizer", "lr_scheduler", "loss_scaler",
     "data_loader", "device_rng"]
 
@@ -145,6 +145,10 @@ def counters(parts: TrainingParts) -> Dict[str, int]:
 def restore_counters(parts: TrainingParts, saved: Dict[str, Any]) -> None:
     """The counters of :func:`counters`, as a checkpoint saved them."""
     parts.train_state.load_state_dict(saved, parts.gradient_accumulation_steps)
+
+
+def async_save(parts: TrainingParts) -> bool:
+    return bool(parts.config.checkpoint.async_save)
 
 
 def tag_validation(parts: TrainingParts) -> str:

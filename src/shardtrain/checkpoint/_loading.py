@@ -21,6 +21,7 @@ import torch
 from .. import comm
 from ..state import TrainingParts
 from ..log import logger
+from . import _background as background
 from . import _engine_state as engine_state
 from ._agreement import Problem, agree, capture, corrupted
 from ._applying import Loaded, LoadOptions, apply
@@ -42,6 +43,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None,
     ``engine`` is read and restored through ``engine.training_parts()`` only. See
     :meth:`shardtrain.Engine.load_checkpoint` for the arguments.
     """
+    background.wait_for_checkpoint()  # a save still being written finishes first
     parts: TrainingParts = engine.training_parts()
     engine_state.check_stage(parts, "load_checkpoint")
     load_dir = os.fspath(load_dir)

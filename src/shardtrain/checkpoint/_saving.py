@@ -28,6 +28,7 @@ from .. import comm
 from ..state import TrainingParts
 from .._fileio import atomic_path, fsync_dir, write_synced
 from ..log import logger
+from . import _background as background
 from . import _engine_state as engine_state
 from ._agreement import Problem, agree, capture
 from ._format import LATEST, META, REPLACED, TMP, rank_file
@@ -52,19 +53,32 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
     ``engine`` is read through ``engine.training_parts()`` only. See
     :meth:`shardtrain.Engine.save_checkpoint` for the arguments.
     """
+    background.wait_for_checkpoint()  # one save at a time; a failed one raises here
     parts: TrainingParts = engine.training_parts()
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the directory to save into.")
     engine_state.check_stage(parts, "save_checkpoint")
     save_dir = os.fspath(save_dir)
     tag = _agreed_tag(parts, tag)
+    in_background = engine_state.async_save(parts)
     staged, token, digests = _stage(parts, save_dir, tag, client_state or {},
-                                    exclude_frozen_parameters)
+                                    exclude_frozen_parameters, copy=in_background)
+    job = (save_dir, tag, token, staged, digests, save_latest)
+    if in_background:  # training goes on from here; the files follow
+        background.start(_write_and_publish, *job, comm.side_group())
+    else:
+        _write_and_publish(*job)
+    return True
+
+
+def _write_and_publish(save_dir: str, tag: str, token: str, staged: Staged,
+                       digests: Dict[str, str], save_latest: bool,
+                       group: Optional[comm.SideGroup] = None) -> None:
+    """Phases 2 and 3, over ``group`` (the side group when this runs in the background)."""
     tmp = os.path.join(save_dir, f"{tag}{TMP}{token}")
     with _removed_on_failure(tmp if comm.get_rank() == 0 else None):
-        files = _write(tmp, staged, digests)
-        _publish_everywhere(save_dir, tag, token, staged, files, save_latest)
-    return True
+        files = _write(tmp, staged, digests, group)
+        _publish_everywhere(save_dir, tag, token, staged, files, save_latest, group)
 
 
 def _agreed_tag(parts: TrainingParts, tag: Optional[str]) -> str:
@@ -88,14 +102,14 @@ def _agreed_tag(parts: TrainingParts, tag: Optional[str]) -> str:
 # -- the three phases, each ended by an agreement of every rank --------------------------------
 
 def _stage(parts: TrainingParts, save_dir: str, tag: str, client_state: Dict[str, Any],
-           exclude_frozen: bool) -> Tuple[Staged, str, Dict[str, str]]:
+           exclude_frozen: bool, copy: bool = False) -> Tuple[Staged, str, Dict[str, str]]:
     """Everything that can refuse happens here, before any file is written. Rank 0 makes
     the temporary directory and the digests of meta.json's fields, which every rank records
     in its file; the agreement is the barrier after which the directory exists."""
     box: List[Optional[Problem]] = [None]
     staged, sent = None, None
     with capture(box):
-        staged = stage_rank(parts, client_state, exclude_frozen)
+        staged = stage_rank(parts, client_state, exclude_frozen, copy)
         if comm.get_rank() == 0:
             staged.meta = json.loads(json.dumps(dict(staged.meta, tag=tag)))  # as read back
             sent = (_prepare_dirs(save_dir, tag), manifest_digests(staged.meta))
@@ -103,23 +117,25 @@ def _stage(parts: TrainingParts, save_dir: str, tag: str, client_state: Dict[str
     return staged, token, digests
 
 
-def _write(tmp: str, staged: Staged, digests: Dict[str, str]) -> Files:
+def _write(tmp: str, staged: Staged, digests: Dict[str, str],
+           group: Optional[comm.SideGroup] = None) -> Files:
     """Every rank writes its files; every rank learns the sizes and CRC32s of all of them."""
     box: List[Optional[Problem]] = [None]
     infos: Files = {}
     with capture(box):
         infos = _write_rank(tmp, staged, digests)
-    return {name: info for per_rank in agree(box[0], infos) for name, info in per_rank.items()}
+    return {name: info for per_rank in agree(box[0], infos, group)
+            for name, info in per_rank.items()}
 
 
 def _publish_everywhere(save_dir: str, tag: str, token: str, staged: Staged, files: Files,
-                        save_latest: bool) -> None:
+                        save_latest: bool, group: Optional[comm.SideGroup] = None) -> None:
     """Rank 0 publishes; the last agreement tells every rank that the save is complete."""
     box: List[Optional[Problem]] = [None]
     if comm.get_rank() == 0:
         with capture(box):
             _publish(save_dir, tag, token, staged.meta, files, save_latest)
-    agree(box[0])
+    agree(box[0], None, group)
 
 
 @contextlib.contextmanager

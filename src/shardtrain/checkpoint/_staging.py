@@ -45,7 +45,7 @@ class Staged:
 
 
 def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
-               exclude_frozen: bool) -> Staged:
+               exclude_frozen: bool, copy: bool = False) -> Staged:
     client_json, client_tensors, client_objects = split_client_state(client_state)
     rank = comm.get_rank()
     trainables = engine_state.trainables(parts)
@@ -53,9 +53,9 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
     tensors.update({f"client/{k}": v for k, v in client_tensors.items()})
     rng_json, rng_tensors = _rng_state(parts)
     tensors.update(rng_tensors)
-    # Device tensors are copied to the CPU now; CPU ones are written from where they are
-    # (nothing changes them while the save runs: it is synchronous).
-    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    # Device tensors are copied to the CPU now. CPU ones are written from where they are when
+    # the save is synchronous (nothing changes them meanwhile), copied when it is not.
+    cpu = {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in tensors.items()}
     rank_json = {"rank": rank, "rng": rng_json,
                  "client": {"json": client_json, "tensors": sorted(client_tensors),
                             "objects": sorted(map(str, client_objects))}}

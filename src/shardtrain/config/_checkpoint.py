@@ -61,4 +61,6 @@ class CheckpointConfig(_ConfigModel):
     parallel_write: CheckpointParallelWriteConfig = Field(default_factory=CheckpointParallelWriteConfig,
                                                           description="parallel writing")
     checkpoint_serialization: _Bool = Field(True, description="torch.save's zipfile serialization")
+    async_save: _Bool = Field(False, description="write the files in the background while training goes on; "
+                                                 "the next save, a load or the end waits (shardtrain only)")
     writer: Optional[CheckpointWriterConfig] = Field(None, description="alternative checkpoint writer")

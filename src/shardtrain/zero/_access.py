@@ -71,7 +71,9 @@ def _zero_save(self, destination, prefix, keep_vars):
         super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
         for name, p in self._parameters.items():
             if p is not None and is_partitioned(p) and prefix + name in destination:
-                destination[prefix + name] = p.ds_full.detach().clone()
+                # a host copy: the gathered group is released right after, and no rank's
+                # device holds the model again for a state_dict
+                destination[prefix + name] = p.ds_full.detach().to("cpu", copy=True)
     finally:
         _done_with(groups)
 
