@@ -242,6 +242,52 @@ def case_gathered_parameters(rank, world):
     return info
 
 
+def _tally(seen: List[tuple]) -> Dict[str, int]:
+    """Elements per collective kind, from ``comm`` observer records."""
+    out: Dict[str, int] = {}
+    for op, numel in seen:
+        out[op] = out.get(op, 0) + numel
+    return out
+
+
+@case
+def case_modifier_traffic(rank, world):
+    """What a rank receives while zero.Init partitions and at the end of
+    GatheredParameters(modifier_rank=...): its shards, or the whole tensor of a parameter
+    that stays gathered after the block."""
+    seen: List[tuple] = []
+
+    def record(op: str, tensor: torch.Tensor) -> None:
+        seen.append((op, tensor.numel()))
+
+    comm.add_observer(record)
+    try:
+        with Init():
+            model = znet()
+        built = _tally(seen)
+        seen.clear()
+        params = list(model.parameters())
+        with GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                for p in params:
+                    p.data.fill_(2.0)
+        written = _tally(seen)
+        seen.clear()
+        head = model.head.weight
+        with GatheredParameters([head]):
+            with GatheredParameters([head], modifier_rank=world - 1):
+                if rank == world - 1:
+                    head.data.fill_(-1.0)
+            inside = head.detach().clone()
+        nested = _tally(seen)
+    finally:
+        comm.remove_observer(record)
+    return {"built": built, "written": written, "nested": nested, "inside": inside,
+            "chunks": sum(p.ds_tensor.numel() for p in params),
+            "head": (head.ds_tensor.numel(), head.ds_numel),
+            "shards": {n: p.ds_tensor.clone() for n, p in model.named_parameters()}}
+
+
 @case
 def case_gathered_parameters_reach_masters(rank, world):
     """Weights written with GatheredParameters(modifier_rank=0) after the engine was built
