@@ -291,7 +291,9 @@ def case_modifier_traffic(rank, world):
 @case
 def case_gathered_parameters_reach_masters(rank, world):
     """Weights written with GatheredParameters(modifier_rank=0) after the engine was built
-    reach its fp32 masters (bf16) and its offloaded copies: a step with lr 0 keeps them."""
+    reach its fp32 masters (bf16) and its offloaded copies: a step with lr 0 keeps them.
+    ``head.bias`` (4 elements) is kept whole on every rank: the modifier's value reaches the
+    other ranks' copies too."""
     out = {}
     for name, extra in (("bf16", {"bf16": {"enabled": True}}),
                         ("offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {
@@ -303,16 +305,21 @@ def case_gathered_parameters_reach_masters(rank, world):
         model = nn.Sequential()
         model.emb, model.act, model.head = nn.Linear(IN, H), nn.Tanh(), nn.Linear(H, OUT)
         engine, *_ = shardtrain.initialize(model=model, config=config)
-        weight = engine.module.head.weight
+        weight, bias = engine.module.head.weight, engine.module.head.bias
         with GatheredParameters([weight], modifier_rank=0):
             if rank == 0:
                 weight.data.fill_(0.25)
+        with GatheredParameters([bias], modifier_rank=0):  # a block of whole ones only
+            if rank == 0:
+                bias.data.fill_(0.5)
         x, y = make_data(1, 1, world, 3)
         dtype = torch.bfloat16 if name == "bf16" else torch.float32  # bf16 modules take bf16 inputs
         loss = F.cross_entropy(engine(x[0, 0, rank].to(dtype)).float(), y[0, 0, rank])
         engine.backward(loss)
         engine.step()
-        out[name] = _state(engine.module)["head.weight"]
+        state = _state(engine.module)
+        out[name] = {"weight": state["head.weight"], "bias": state["head.bias"],
+                     "bias_whole": not hasattr(bias, "ds_tensor")}
     return out
 
 

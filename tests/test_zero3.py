@@ -221,9 +221,15 @@ def test_leaf_modules_with_zero_init_offload_and_checkpoints(run):
 
 
 def test_weights_set_under_the_engine_reach_its_masters(run):
+    """A partitioned weight and a bias stage 3 keeps whole, both written by rank 0 inside
+    GatheredParameters(modifier_rank=0): every rank trains from the new values."""
+    world = run[0]
     for name in ("bf16", "offload"):
-        got = result(run, "gathered_parameters_reach_masters")[name]
-        assert torch.equal(got, torch.full((cz.OUT, cz.H), 0.25)), name
+        for rank in range(world):
+            got = result(run, "gathered_parameters_reach_masters", rank)[name]
+            assert got["bias_whole"], "head.bias was expected to stay whole (persistence 4)"
+            assert torch.equal(got["weight"], torch.full((cz.OUT, cz.H), 0.25)), (name, rank)
+            assert torch.equal(got["bias"], torch.full((cz.OUT,), 0.5)), (name, rank)
 
 
 def test_modifier_values_arrive_as_shards(run):

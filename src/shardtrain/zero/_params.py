@@ -134,8 +134,10 @@ class GatheredParameters:
     """Gathers partitioned parameters for the duration of a ``with`` block.
 
     Args:
-        params: a parameter or an iterable of them; non-partitioned ones are ignored (a
-            block over only plain parameters does nothing).
+        params: a parameter or an iterable of them; parameters that are not ZeRO-3 ones are
+            ignored (a block over only plain parameters does nothing). The small ones stage 3
+            keeps whole on every rank need no gather; with ``modifier_rank`` they receive
+            the modifier's values too.
         modifier_rank: None: read-only (changes are discarded on exit). A rank ``r``: the
             values rank ``r`` holds at exit are stored in every shard (each rank receives
             its own shard; a parameter that stays gathered after the block receives the
@@ -153,8 +155,13 @@ class GatheredParameters:
         del fwd_module  # accepted for DeepSpeed compatibility
         if isinstance(params, torch.Tensor):
             params = [params]
-        unique = {id(p): p for p in (params if enabled else []) if is_partitioned(p)}
-        self.params: List[torch.nn.Parameter] = sorted(unique.values(), key=lambda p: p.ds_id)
+        unique = {id(p): p for p in (params if enabled else [])
+                  if is_partitioned(p) or getattr(p, "ds_persist", False)}
+        self.params: List[torch.nn.Parameter] = sorted(
+            (p for p in unique.values() if is_partitioned(p)), key=lambda p: p.ds_id)
+        # Small parameters stage 3 keeps whole on every rank: nothing to gather, but the
+        # modifier's values must reach the other ranks' copies too.
+        self.whole = [p for p in unique.values() if not is_partitioned(p)]
         self.modifier_rank = modifier_rank
         self._gathered: List[torch.nn.Parameter] = []
 
@@ -172,7 +179,9 @@ class GatheredParameters:
             if self.modifier_rank is not None:
                 leaving = {id(p) for p in self._gathered}
                 _store_modified(self.params, leaving, self.modifier_rank)
-                _refresh_masters(self.params)
+                for p in self.whole:
+                    coll.broadcast(p.data, self.modifier_rank)
+                _refresh_masters(self.params + self.whole)
             for p in self._gathered:
                 release(p)
         self._gathered = []
@@ -212,10 +221,16 @@ def _scatter_shard(p: torch.nn.Parameter, src: int) -> coll.Inflight:
 def _refresh_masters(params: List[torch.nn.Parameter]) -> None:
     """Shards written under an engine: its fp32 masters (and offloaded copies) follow, or the
     next step would write the old values back."""
-    owners = {id(o): o for p in params
-              for o in [getattr(getattr(p, "ds_group", None), "owner", None)] if o is not None}
+    owners = {id(o): o for p in params for o in [_owner(p)] if o is not None}
     for owner in owners.values():
         owner.weights_written(params)
+
+
+def _owner(p: torch.nn.Parameter):
+    """The stage-3 schedule that manages ``p`` (through its group, or directly for a
+    parameter kept whole), or None outside an engine."""
+    group = getattr(p, "ds_group", None)
+    return group.owner if group is not None else getattr(p, "ds_owner", None)
 
 
 def _wait_inflight(p: torch.nn.Parameter) -> None:
