@@ -149,7 +149,10 @@ def test_from_pretrained_under_zero3_receives_shards_not_whole_tensors(run):
     then each module is gathered, filled on rank 0 and stored with modifier_rank=0. Each rank
     receives only its shards at both points (scatters), where whole tensors were broadcast
     before: half as much on 2 ranks, 1/N on N."""
-    version = importlib.metadata.version("deepspeed")
+    try:
+        version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the deepspeed alias is not installed (shardtrain deepspeed-alias install)")
     if "+shardtrain" not in version:
         pytest.skip(f"deepspeed {version} is not the shardtrain alias")
     want = with_tied_head(saved_state())
