@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
+from safetensors import safe_open
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -62,10 +63,9 @@ class WeightFiles:
         self._handles: Dict[Path, object] = {}
 
     def __enter__(self) -> "WeightFiles":
-        from safetensors import safe_open
         try:
             for file, wanted in self.files.items():
-                handle = self._stack.enter_context(_open(safe_open, file))
+                handle = self._stack.enter_context(_open(file))
                 self._handles[file] = handle
                 self.tensors.update(_header(handle, file, wanted))
         except BaseException:
@@ -86,7 +86,7 @@ class WeightFiles:
         return handle.get_slice(name)[rows[0]: rows[1]]
 
 
-def _open(safe_open, file: Path):
+def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as error:  # safetensors raises its own error types for a bad header
