@@ -242,10 +242,58 @@ def case_gathered_parameters(rank, world):
     return info
 
 
+def _tally(seen: List[tuple]) -> Dict[str, int]:
+    """Elements per collective kind, from ``comm`` observer records."""
+    out: Dict[str, int] = {}
+    for op, numel in seen:
+        out[op] = out.get(op, 0) + numel
+    return out
+
+
+@case
+def case_modifier_traffic(rank, world):
+    """What a rank receives while zero.Init partitions and at the end of
+    GatheredParameters(modifier_rank=...): its shards, or the whole tensor of a parameter
+    that stays gathered after the block."""
+    seen: List[tuple] = []
+
+    def record(op: str, tensor: torch.Tensor) -> None:
+        seen.append((op, tensor.numel()))
+
+    comm.add_observer(record)
+    try:
+        with Init():
+            model = znet()
+        built = _tally(seen)
+        seen.clear()
+        params = list(model.parameters())
+        with GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                for p in params:
+                    p.data.fill_(2.0)
+        written = _tally(seen)
+        seen.clear()
+        head = model.head.weight
+        with GatheredParameters([head]):
+            with GatheredParameters([head], modifier_rank=world - 1):
+                if rank == world - 1:
+                    head.data.fill_(-1.0)
+            inside = head.detach().clone()
+        nested = _tally(seen)
+    finally:
+        comm.remove_observer(record)
+    return {"built": built, "written": written, "nested": nested, "inside": inside,
+            "chunks": sum(p.ds_tensor.numel() for p in params),
+            "head": (head.ds_tensor.numel(), head.ds_numel),
+            "shards": {n: p.ds_tensor.clone() for n, p in model.named_parameters()}}
+
+
 @case
 def case_gathered_parameters_reach_masters(rank, world):
     """Weights written with GatheredParameters(modifier_rank=0) after the engine was built
-    reach its fp32 masters (bf16) and its offloaded copies: a step with lr 0 keeps them."""
+    reach its fp32 masters (bf16) and its offloaded copies: a step with lr 0 keeps them.
+    ``head.bias`` (4 elements) is kept whole on every rank: the modifier's value reaches the
+    other ranks' copies too."""
     out = {}
     for name, extra in (("bf16", {"bf16": {"enabled": True}}),
                         ("offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {
@@ -257,16 +305,21 @@ def case_gathered_parameters_reach_masters(rank, world):
         model = nn.Sequential()
         model.emb, model.act, model.head = nn.Linear(IN, H), nn.Tanh(), nn.Linear(H, OUT)
         engine, *_ = shardtrain.initialize(model=model, config=config)
-        weight = engine.module.head.weight
+        weight, bias = engine.module.head.weight, engine.module.head.bias
         with GatheredParameters([weight], modifier_rank=0):
             if rank == 0:
                 weight.data.fill_(0.25)
+        with GatheredParameters([bias], modifier_rank=0):  # a block of whole ones only
+            if rank == 0:
+                bias.data.fill_(0.5)
         x, y = make_data(1, 1, world, 3)
         dtype = torch.bfloat16 if name == "bf16" else torch.float32  # bf16 modules take bf16 inputs
         loss = F.cross_entropy(engine(x[0, 0, rank].to(dtype)).float(), y[0, 0, rank])
         engine.backward(loss)
         engine.step()
-        out[name] = _state(engine.module)["head.weight"]
+        state = _state(engine.module)
+        out[name] = {"weight": state["head.weight"], "bias": state["head.bias"],
+                     "bias_whole": not hasattr(bias, "ds_tensor")}
     return out
 
 

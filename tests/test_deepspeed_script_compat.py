@@ -195,8 +195,10 @@ API: List[Api] = [
         "`ds_id`, `ds_shape`, `ds_numel`, `ds_status`, `ds_tensor`, `ds_persist`, not the "
         "`all_gather()`/`partition()` methods"),
     Api("zero.GatheredParameters", "supported",
-        "`modifier_rank=None` read-only, `modifier_rank=r` broadcasts rank r's values into "
-        "every shard, `enabled=False` and plain parameters (or None, or buffers): no-op. "
+        "`modifier_rank=None` read-only, `modifier_rank=r` stores rank r's values in every "
+        "shard (each rank receives its shard, one scatter; a parameter gathered before the "
+        "block receives the whole value, as do the small ones stage 3 keeps whole), "
+        "`enabled=False` and plain parameters (or None, or buffers): no-op. "
         "`fwd_module` is accepted and not needed. Nested blocks over one parameter do not "
         "raise (DeepSpeed: RuntimeError)"),
     Api("zero.ZeroParamStatus", "supported", "AVAILABLE, NOT_AVAILABLE, INFLIGHT; one enum under "

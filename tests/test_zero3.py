@@ -12,6 +12,7 @@ import cases_zero3 as cz
 import gpt
 from _dist import result, run_ranks
 from cases_engine import adamw, make_data
+from shardtrain.zero._shards import shard_range
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
@@ -220,6 +221,35 @@ def test_leaf_modules_with_zero_init_offload_and_checkpoints(run):
 
 
 def test_weights_set_under_the_engine_reach_its_masters(run):
+    """A partitioned weight and a bias stage 3 keeps whole, both written by rank 0 inside
+    GatheredParameters(modifier_rank=0): every rank trains from the new values."""
+    world = run[0]
     for name in ("bf16", "offload"):
-        got = result(run, "gathered_parameters_reach_masters")[name]
-        assert torch.equal(got, torch.full((cz.OUT, cz.H), 0.25)), name
+        for rank in range(world):
+            got = result(run, "gathered_parameters_reach_masters", rank)[name]
+            assert got["bias_whole"], "head.bias was expected to stay whole (persistence 4)"
+            assert torch.equal(got["weight"], torch.full((cz.OUT, cz.H), 0.25)), (name, rank)
+            assert torch.equal(got["bias"], torch.full((cz.OUT,), 0.5)), (name, rank)
+
+
+def test_modifier_values_arrive_as_shards(run):
+    """DeepSpeed broadcasts the modifier's whole tensors at the end of
+    GatheredParameters(modifier_rank=r), then each rank keeps its shard: shardtrain sends each
+    rank only its shard (a scatter), and zero.Init cuts rank 0's values the same way. A
+    parameter gathered before the block stays gathered, so it is broadcast whole, and every
+    rank reads the modifier's value inside the outer block."""
+    world = run[0]
+    for rank in range(world):
+        got = result(run, "modifier_traffic", rank)
+        chunks = got["chunks"]
+        assert got["built"] == {"scatter": chunks}
+        assert got["written"] == {"all_gather": chunks, "scatter": chunks}
+        head_chunk, head_numel = got["head"]
+        assert got["nested"] == {"all_gather": head_chunk, "broadcast": head_numel}
+        assert torch.equal(got["inside"], torch.full((cz.OUT, cz.H), -1.0))
+        for name, shard in got["shards"].items():
+            numel = cz.znet().get_parameter(name).numel()
+            lo, hi = shard_range(numel, world, rank)
+            want = -1.0 if name == "head.weight" else 2.0
+            assert torch.equal(shard[: hi - lo], torch.full((hi - lo,), want)), name
+            assert not shard[hi - lo:].any(), f"{name}: padding is not zero"

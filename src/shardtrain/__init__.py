@@ -24,13 +24,14 @@ from .comm import destroy, init_distributed
 from .config import ConfigError, ShardConfig, load_config
 from .engine import Engine
 from .log import log_dist, log_dist_once
+from .pretrained import load_pretrained
 
 __version__ = "0.1.0"
 
 __all__ = [
     "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
     "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm", "accelerator",
-    "zero", "checkpointing", "utils", "__version__",
+    "zero", "checkpointing", "utils", "load_pretrained", "__version__",
 ]
 
 

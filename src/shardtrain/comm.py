@@ -27,6 +27,7 @@ __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
     "get_local_rank", "get_local_world_size", "get_backend", "available_backends", "barrier",
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
+    "scatter",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
     "LaunchEnv", "detect_launch_env", "SideGroup", "side_group", "before_destroy",
 ]
@@ -331,6 +332,18 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
     _notify("broadcast", tensor)
     if get_world_size() > 1:
         dist.broadcast(tensor, src=src)
+
+
+def scatter(output: torch.Tensor, rows: Optional[torch.Tensor], src: int = 0,
+            async_op: bool = False) -> Work:
+    """Rank ``src`` sends row r of ``rows`` (``[world, n]``, read on ``src`` only; None
+    elsewhere) to rank r, which receives it in ``output`` (``n`` elements)."""
+    _notify("scatter", output)
+    if get_world_size() == 1:
+        output.view(-1).copy_(rows[0].view(-1))
+        return Work()
+    chunks = list(rows.unbind(0)) if get_rank() == src else None
+    return Work(dist.scatter(output, chunks, src=src, async_op=async_op))
 
 
 def all_gather_object(obj, group: Optional["SideGroup"] = None) -> list:

@@ -11,8 +11,10 @@ from the bookkeeping makes the traffic of a step readable in one place:
   parameter group);
 * :func:`global_norm` and :func:`all_finite`: one all-reduce of a scalar when the gradients are
   sharded;
-* outside the step, :func:`broadcast` (rank 0's initial values, ``GatheredParameters``
-  with a ``modifier_rank``) and :func:`gather_chunks` (one parameter gathered on demand).
+* outside the step, :func:`broadcast` (rank 0's initial values; a parameter that stays
+  gathered after a ``GatheredParameters`` block with a ``modifier_rank``),
+  :func:`scatter_rows` (the modifier's values of a parameter that block releases: each rank
+  receives only its shard) and :func:`gather_chunks` (one parameter gathered on demand).
 
 Rows follow the rank-major layout of :mod:`._shards`: a ``[world, row]`` buffer whose row
 ``r`` is rank ``r``'s chunk of every parameter of the group.
@@ -100,6 +102,11 @@ def all_finite(grads: Sequence[torch.Tensor], device: torch.device, sharded: boo
 def broadcast(tensor: torch.Tensor, src: int) -> None:
     """``src``'s values into ``tensor`` on every rank (synchronous)."""
     comm.broadcast(tensor, src)
+
+
+def scatter_rows(rows: torch.Tensor, out: torch.Tensor, src: int) -> Inflight:
+    """Rank ``src``'s row r of ``rows`` ([world, row]) into rank r's ``out`` (one row)."""
+    return Inflight(comm.scatter(out, rows, src, async_op=True), out, (rows,))
 
 
 def gather_chunks(out: torch.Tensor, mine: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Set
 
 import torch
 
@@ -49,22 +49,28 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
 def partition(p: torch.nn.Parameter, world: int, rank: int, src: Optional[int] = 0) -> None:
     """Turns a full parameter into a partitioned one (the full value is dropped).
 
-    With ``src`` set, that rank's value is broadcast first, so every shard comes from the
-    same full tensor even if ranks initialised differently.
+    With ``src`` set, every rank's shard is cut from that rank's value (one scatter: each
+    rank receives its own chunk, not the whole tensor), so the shards come from the same
+    full tensor even if ranks initialised differently.
     """
     if is_partitioned(p):
         return
     full = p.data
-    if src is not None:
-        coll.broadcast(full, src)
     numel, c = full.numel(), chunk_size(full.numel(), world)
-    lo, hi = shard_range(numel, world, rank)
+    p.ds_shape, p.ds_numel = full.shape, numel
+    _give_full_storage(p, world, full.dtype, full.device)
     shard = torch.zeros(c, dtype=full.dtype, device=full.device)
-    shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
-    p.ds_shape, p.ds_numel, p.ds_tensor = full.shape, numel, shard
+    if src is None:
+        lo, hi = shard_range(numel, world, rank)
+        shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
+    else:
+        if rank == src:  # the gathered layout: chunk r is row r, the last chunk zero-padded
+            p.ds_padded[:numel].copy_(full.reshape(-1))
+            p.ds_padded[numel:].zero_()
+        coll.scatter_rows(p.ds_padded.view(world, c), shard, src).wait()
+    p.ds_tensor = shard
     if getattr(p, "ds_id", None) is None:
         p.ds_id = next(_ids)
-    _give_full_storage(p, world, full.dtype, full.device)
     p.ds_persist = False
     release(p)
 
@@ -128,10 +134,14 @@ class GatheredParameters:
     """Gathers partitioned parameters for the duration of a ``with`` block.
 
     Args:
-        params: a parameter or an iterable of them; non-partitioned ones are ignored (a
-            block over only plain parameters does nothing).
+        params: a parameter or an iterable of them; parameters that are not ZeRO-3 ones are
+            ignored (a block over only plain parameters does nothing). The small ones stage 3
+            keeps whole on every rank need no gather; with ``modifier_rank`` they receive
+            the modifier's values too.
         modifier_rank: None: read-only (changes are discarded on exit). A rank ``r``: the
-            values rank ``r`` holds at exit are broadcast and stored in every shard.
+            values rank ``r`` holds at exit are stored in every shard (each rank receives
+            its own shard; a parameter that stays gathered after the block receives the
+            whole value).
         enabled: False makes the block a no-op.
 
     Example:
@@ -145,8 +155,13 @@ class GatheredParameters:
         del fwd_module  # accepted for DeepSpeed compatibility
         if isinstance(params, torch.Tensor):
             params = [params]
-        unique = {id(p): p for p in (params if enabled else []) if is_partitioned(p)}
-        self.params: List[torch.nn.Parameter] = sorted(unique.values(), key=lambda p: p.ds_id)
+        unique = {id(p): p for p in (params if enabled else [])
+                  if is_partitioned(p) or getattr(p, "ds_persist", False)}
+        self.params: List[torch.nn.Parameter] = sorted(
+            (p for p in unique.values() if is_partitioned(p)), key=lambda p: p.ds_id)
+        # Small parameters stage 3 keeps whole on every rank: nothing to gather, but the
+        # modifier's values must reach the other ranks' copies too.
+        self.whole = [p for p in unique.values() if not is_partitioned(p)]
         self.modifier_rank = modifier_rank
         self._gathered: List[torch.nn.Parameter] = []
 
@@ -162,22 +177,60 @@ class GatheredParameters:
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
             if self.modifier_rank is not None:
-                for p in self.params:
-                    coll.broadcast(p.ds_full, self.modifier_rank)
-                    write_shard_from_full(p)
-                _refresh_masters(self.params)
+                leaving = {id(p) for p in self._gathered}
+                _store_modified(self.params, leaving, self.modifier_rank)
+                for p in self.whole:
+                    coll.broadcast(p.data, self.modifier_rank)
+                _refresh_masters(self.params + self.whole)
             for p in self._gathered:
                 release(p)
         self._gathered = []
 
 
+def _store_modified(params: List[torch.nn.Parameter], leaving: Set[int], src: int) -> None:
+    """Rank ``src``'s full values become every rank's shard.
+
+    A parameter the block gathered (``id`` in ``leaving``) is released right after, so a
+    rank needs only its own shard of them: one scatter sends each rank its shard, where a
+    broadcast would send every rank the whole tensor. A parameter that was already whole
+    before the block stays whole, so every rank must see the new values: it is broadcast.
+    """
+    flights = []
+    for p in params:
+        if id(p) in leaving:
+            flights.append((p, _scatter_shard(p, src)))
+        else:
+            coll.broadcast(p.ds_full, src)
+            write_shard_from_full(p)
+    for p, flight in flights:
+        landed = flight.wait()
+        if landed is not p.ds_tensor:  # received on the device, kept in host memory
+            p.ds_tensor.copy_(landed)
+
+
+def _scatter_shard(p: torch.nn.Parameter, src: int) -> coll.Inflight:
+    """Starts sending rank ``src``'s chunk r of ``p`` to rank r's shard."""
+    rows = p.ds_padded.view(-1, p.ds_tensor.numel())  # row r: rank r's chunk
+    if comm.get_rank() == src:
+        p.ds_padded[p.ds_numel:].zero_()  # the last chunk's padding, as partition() leaves it
+    here = p.ds_tensor.device == rows.device
+    out = p.ds_tensor if here else torch.empty_like(p.ds_tensor, device=rows.device)
+    return coll.scatter_rows(rows, out, src)
+
+
 def _refresh_masters(params: List[torch.nn.Parameter]) -> None:
     """Shards written under an engine: its fp32 masters (and offloaded copies) follow, or the
     next step would write the old values back."""
-    owners = {id(o): o for p in params
-              for o in [getattr(getattr(p, "ds_group", None), "owner", None)] if o is not None}
+    owners = {id(o): o for p in params for o in [_owner(p)] if o is not None}
     for owner in owners.values():
         owner.weights_written(params)
+
+
+def _owner(p: torch.nn.Parameter):
+    """The stage-3 schedule that manages ``p`` (through its group, or directly for a
+    parameter kept whole), or None outside an engine."""
+    group = getattr(p, "ds_group", None)
+    return group.owner if group is not None else getattr(p, "ds_owner", None)
 
 
 def _wait_inflight(p: torch.nn.Parameter) -> None:

@@ -60,6 +60,9 @@ class GatherSchedule:
         self._swaps: List[_access.ClassSwap] = []
         for g in units.groups:
             g.owner = self
+        for p in module.parameters():
+            if getattr(p, "ds_persist", False):
+                p.ds_owner = self  # kept whole: GatheredParameters' writes reach masters here
         self._install(module)
 
     # -- hooks --------------------------------------------------------------------------------

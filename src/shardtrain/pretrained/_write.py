@@ -1,0 +1,65 @@
+"""What a rank reads of each tensor, and where it writes it.
+
+* A ZeRO-3 partitioned parameter (an engine at stage 3, or a model built under
+  ``zero.Init``): the rank keeps elements ``[lo, hi)`` of the flattened tensor
+  (:func:`shardtrain.zero._shards.shard_range`). It reads the rows that hold them, which
+  reach past the shard by less than one row at each end, and writes its shard
+  (``ds_tensor``); the full tensor never exists on the rank.
+* Everything else (parameters at stages 0-2, the small ones stage 3 keeps whole, buffers, a
+  plain model): the rank keeps the whole tensor and reads it whole. It is written in place,
+  so an optimizer that holds the parameter or a view of it (fp32 at stages 0-2) sees the new
+  values at once.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+
+from ..zero._params import ZeroParamStatus, gather_one, is_partitioned
+from ..zero._shards import shard_range
+from ._files import WeightFiles
+from ._match import Target
+
+
+def covering_rows(lo: int, hi: int, shape: Tuple[int, ...]) -> Tuple[int, int, int]:
+    """Rows ``[r0, r1)`` (along the first dimension) of a tensor of ``shape`` that hold its
+    flattened elements ``[lo, hi)``, and where ``lo`` falls in the first of them."""
+    row = math.prod(shape[1:])
+    r0, r1 = lo // row, -(-hi // row)
+    return r0, r1, lo - r0 * row
+
+
+@torch.no_grad()
+def load_target(target: Target, files: WeightFiles, world: int, rank: int) -> None:
+    """Reads what this rank keeps of ``target`` and writes it there."""
+    if is_partitioned(target.tensor):
+        _load_shard(target.tensor, target.source, files, world, rank)
+    else:
+        values = files.read(target.source)
+        target.tensor.copy_(values.view(target.tensor.shape))
+
+
+def _load_shard(p: torch.nn.Parameter, name: str, files: WeightFiles, world: int,
+                rank: int) -> None:
+    lo, hi = shard_range(p.ds_numel, world, rank)
+    if hi <= lo:
+        return  # a tensor with fewer elements than ranks leaves this one nothing
+    shape = files.tensors[name].shape
+    if not shape:  # a single number: nothing to slice
+        p.ds_tensor[:1].copy_(files.read(name).view(1))
+        return
+    r0, r1, start = covering_rows(lo, hi, shape)
+    rows = files.read(name, (r0, r1)).reshape(-1)
+    p.ds_tensor[: hi - lo].copy_(rows[start: start + hi - lo])
+
+
+def regather(targets: List[Target]) -> None:
+    """Partitioned parameters that were gathered while their shards were written (inside a
+    ``GatheredParameters`` block, say) are gathered again, so their full value is the new
+    one (a collective: every rank has the same ones gathered)."""
+    for t in targets:
+        p = t.tensor
+        if is_partitioned(p) and p.ds_status == ZeroParamStatus.AVAILABLE:
+            gather_one(p)
