@@ -39,15 +39,21 @@ How the modules divide the work:
 * ``_reading``: the tag, meta.json, verified byte ranges of the rank files.
 * ``_loading``: what each rank reads and checks; ``_applying``: putting it into the engine.
 * ``_consolidation``: full weights in one process.
+* ``_deepspeed_files``, ``_deepspeed_layout``, ``_deepspeed_reader``: a DeepSpeed checkpoint's
+  files (read by torch's restricted unpickler), its flat partitions, its training state;
+  ``_import``: that state written as a shardtrain checkpoint by :func:`save_checkpoint`.
 
 Example:
     >>> engine.save_checkpoint("checkpoints")                  # tag global_step<N>, on all ranks
     >>> path, client = engine.load_checkpoint("checkpoints")   # the tag named by ``latest``
     >>> consolidate("checkpoints", "model.safetensors")        # one process, no group needed
+    >>> import_deepspeed("ds_checkpoints", "checkpoints")      # DeepSpeed's, to this format
 """
 from ._consolidation import consolidate, full_weights
 from ._format import FORMAT_VERSION
+from ._import import import_deepspeed
 from ._loading import load_checkpoint
 from ._saving import save_checkpoint
 
-__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION"]
+__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "import_deepspeed",
+           "FORMAT_VERSION"]
