@@ -183,31 +183,42 @@ def load_pickle(path: str, trust_pickle: bool = False) -> Any:
         raise FileNotFoundError(f"{path} is missing: the DeepSpeed checkpoint is incomplete; "
                                 "copy every file of the tag.")
     mmap = zipfile.is_zipfile(path)  # the format torch.save writes; older files are read
-    try:
-        if trust_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap,
-                              pickle_module=_TRUSTING)
-        with torch.serialization.safe_globals([(c, n) for n, c in STAND_INS.items()]):
-            _refuse_unknown_types(path, mmap)
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:
-        raise _refused(path, _names_in(str(error))) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
-        raise ValueError(f"{path} cannot be read as a torch.save file ({error}); the DeepSpeed "
-                         "checkpoint is damaged or incomplete.") from None
-
-
-def _refuse_unknown_types(path: str, zipped: bool) -> None:
-    """Every type the file names, checked before any of it is unpickled (zip files)."""
-    if zipped:
-        unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    if trust_pickle:
+        return _load(path, mmap, weights_only=False, pickle_module=_TRUSTING)
+    with torch.serialization.safe_globals([(c, n) for n, c in STAND_INS.items()]):
+        unknown = _unknown_types(path) if mmap else []
         if unknown:
-            raise _refused(path, sorted(unknown))
+            raise _refused(path, unknown)
+        return _load(path, mmap, weights_only=True)
 
 
-def _names_in(message: str) -> List[str]:
-    found = re.findall(r"GLOBAL ([\w.]+)", message)
-    return found or ["an object of a type the restricted loader does not know"]
+def _load(path: str, mmap: bool, **how: Any) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, **how)
+    except pickle.UnpicklingError as error:
+        names = re.findall(r"GLOBAL ([\w.]+)", str(error))
+        if names:  # a type met while unpickling (a file torch cannot list beforehand)
+            raise _refused(path, names) from None
+        raise _damaged(path, error) from None
+    except (ImportError, AttributeError) as error:  # trust_pickle: a type not importable here
+        raise ValueError(f"{path} names a type that cannot be imported here ({error}); install "
+                         "the package that defines it, then convert again.") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
+        raise _damaged(path, error) from None
+
+
+def _unknown_types(path: str) -> List[str]:
+    """Every type the file names that the allow-list lacks, read before any of it is
+    unpickled."""
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except (RuntimeError, ValueError, zipfile.BadZipFile) as error:
+        raise _damaged(path, error) from None
+
+
+def _damaged(path: str, error: Exception) -> ValueError:
+    return ValueError(f"{path} cannot be read as a torch.save file ({error}); the DeepSpeed "
+                      "checkpoint is damaged or incomplete: copy it again.")
 
 
 def _refused(path: str, names: List[str]) -> ValueError:
