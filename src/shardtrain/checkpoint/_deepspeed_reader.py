@@ -282,9 +282,22 @@ def _stage3(files: DeepSpeedFiles, model: Dict[str, Any], optims: List[Dict[str,
                                   f"{optims[0]['partition_count']} of {world} ranks (hpZ/MiCS) "
                                   "is not supported.")
     state = _base(files, model, "ZeRO stage 3", 3, world)
-    shapes = _shapes(model, files.model_states[0])
+    _stage3_params(state, files, optims, _shapes(model, files.model_states[0]))
+    state.frozen = _stage3_frozen(files, model, load)
+    state.groups, merged = _merge_subgroups(_hyper(optims[0]["optimizer_state_dict"]
+                                                   ["param_groups"]))
+    for p in state.params.values():
+        p.group = merged[p.group]
+    state.loss_scaler = _scaler(optims[0].get("loss_scaler"), optims[0].get(
+        "dynamic_loss_scale"), state.counters["global_steps"])
+    return state
+
+
+def _stage3_params(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dict[str, Any]],
+                   shapes: List[List[Tuple[str, List[int]]]]) -> None:
+    """Every parameter's pieces of every rank's flat vectors, put together (copies)."""
     flat = [(g, n, s) for g, params in enumerate(shapes) for n, s in params]
-    offsets, length = stage3_offsets([_numel(s) for _, _, s in flat], world)
+    offsets, length = stage3_offsets([_numel(s) for _, _, s in flat], len(optims))
     masters = [FlatView(o["fp32_flat_groups"]) for o in optims]
     if any(m.numel != length for m in masters):
         raise ValueError(f"{files.tag_dir}: a rank's fp32_flat_groups hold "
@@ -296,14 +309,6 @@ def _stage3(files: DeepSpeedFiles, model: Dict[str, Any], optims: List[Dict[str,
         state.params[name] = TrainedParam(
             shape, stage3_param(masters, off, n), None,
             {k: stage3_param(v, off, n) for k, v in states.items()}, dict(scalars[g]), g)
-    state.frozen = _stage3_frozen(files, model, load)
-    state.groups, merged = _merge_subgroups(_hyper(optims[0]["optimizer_state_dict"]
-                                                   ["param_groups"]))
-    for p in state.params.values():
-        p.group = merged[p.group]
-    state.loss_scaler = _scaler(optims[0].get("loss_scaler"), optims[0].get(
-        "dynamic_loss_scale"), state.counters["global_steps"])
-    return state
 
 
 def _stage3_states(optims: List[Dict[str, Any]], groups: int
@@ -360,23 +365,29 @@ def _stage0(files: DeepSpeedFiles, model: Dict[str, Any],
     wrapped = "optimizer_state_dict" in saved
     base = saved["optimizer_state_dict"] if wrapped else saved
     state = _base(files, model, "ZeRO stage 0", 0, int(model.get("dp_world_size") or 1))
-    module = model["module"]
     masters = [list(g) for g in saved["fp32_groups"]] if wrapped else None
-    names = _stage0_names(path, state, module, base, masters, frozen)
-    for g, group in enumerate(base["param_groups"]):
-        for k, index in enumerate(group["params"]):
-            master = masters[g][k] if masters else module[names[index]]
-            entry = dict(base["state"].get(index, {}))
-            state.params[names[index]] = TrainedParam(
-                list(module[names[index]].shape), master.reshape(-1).float(),
-                module[names[index]].reshape(-1),
-                {k2: v.reshape(-1) for k2, v in entry.items() if _per_element(v)},
-                {k2: v for k2, v in entry.items() if not _per_element(v)}, g)
-    _whole_frozen(state, module)
+    names = _stage0_names(path, state, model["module"], base, masters, frozen)
+    _stage0_params(state, model["module"], base, masters, names)
+    _whole_frozen(state, model["module"])
     state.groups = _hyper(base["param_groups"])
     state.loss_scaler = _scaler(saved if wrapped else {}, saved.get("dynamic_loss_scale", False),
                                 state.counters["global_steps"])
     return state
+
+
+def _stage0_params(state: DeepSpeedState, module: Dict[str, torch.Tensor], base: Dict[str, Any],
+                   masters: Optional[List[List[torch.Tensor]]], names: Dict[int, str]) -> None:
+    """Each optimizer index's tensors under its module name (the fp32 weight is its master
+    when there is no 16-bit wrapper)."""
+    for g, group in enumerate(base["param_groups"]):
+        for k, index in enumerate(group["params"]):
+            weight = module[names[index]]
+            master = masters[g][k] if masters else weight
+            entry = dict(base["state"].get(index, {}))
+            state.params[names[index]] = TrainedParam(
+                list(weight.shape), master.reshape(-1).float(), weight.reshape(-1),
+                {key: v.reshape(-1) for key, v in entry.items() if _per_element(v)},
+                {key: v for key, v in entry.items() if not _per_element(v)}, g)
 
 
 def _stage0_names(path: str, state: DeepSpeedState, module: Dict[str, torch.Tensor],
