@@ -251,6 +251,10 @@ def test_stage0_names_the_candidates_when_shapes_cannot_tell(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "['block.gain'] or ['embed.bias']" in err and "--frozen block.gain" in err
     assert main(["import-deepspeed", str(FIXTURES / "s0-fp32"), str(tmp_path / "out"),
+                 "--frozen", "block.gian"]) == 1
+    assert "names ['block.gian'], which the checkpoint's module does not have" in (
+        capsys.readouterr().err)
+    assert main(["import-deepspeed", str(FIXTURES / "s0-fp32"), str(tmp_path / "out"),
                  "--frozen", "block.gain"]) == 0
 
 
@@ -261,6 +265,8 @@ def test_stage0_names_the_candidates_when_shapes_cannot_tell(tmp_path, capsys):
     ("tensor-parallel", "tensor-parallel"),
     ("truncated", "cannot be read as a torch.save file"),
     ("unknown-tag", "DeepSpeed checkpoint tag 'global_step9' not found"),
+    ("tag-out-of-the-directory", "tag '../s2-fp32' is not a plain directory name"),
+    ("frozen-at-stage-2", "frozen= (--frozen) is for stage-0 checkpoints"),
 ])
 def test_the_command_names_the_problem_and_the_fix(tmp_path, capsys, damage, message):
     ckpt = tmp_path / "ds"
@@ -280,8 +286,12 @@ def test_the_command_names_the_problem_and_the_fix(tmp_path, capsys, damage, mes
     elif damage == "truncated":
         path = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         path.write_bytes(path.read_bytes()[:2000])
-    else:
+    elif damage == "unknown-tag":
         extra = ["--tag", "global_step9"]
+    elif damage == "tag-out-of-the-directory":
+        extra = ["--tag", "../s2-fp32"]
+    else:
+        extra = ["--frozen", "block.gain"]
     assert main(["import-deepspeed", str(ckpt), str(tmp_path / "out"), *extra]) == 1
     err = capsys.readouterr().err
     assert err.startswith("shardtrain import-deepspeed: error: ") and message in err, err

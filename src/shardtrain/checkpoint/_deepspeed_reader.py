@@ -95,10 +95,13 @@ def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool 
         return load_pickle(path, trust_pickle)
 
     model = _model_states(files.model_states[0], load)
+    if not files.universal and not files.optim_states:
+        return _stage0(files, model, frozen)
+    if frozen:
+        raise ValueError(f"{files.tag_dir}: frozen= (--frozen) is for stage-0 checkpoints, whose "
+                         "optimizer does not name its parameters; this one names them: drop it.")
     if files.universal:
         return _universal(files, model, load)
-    if not files.optim_states:
-        return _stage0(files, model, frozen)
     _check_world(files, model)
     optims = [_optim_states(path, load) for path in files.optim_states]
     if "fp32_flat_groups" in optims[0]:
@@ -394,6 +397,10 @@ def _stage0_names(path: str, state: DeepSpeedState, module: Dict[str, torch.Tens
                   base: Dict[str, Any], masters: Optional[List[List[torch.Tensor]]],
                   frozen: Optional[Sequence[str]]) -> Dict[int, str]:
     """The module name of each optimizer index, group by group (see :func:`align`)."""
+    unknown = sorted(set(frozen or ()) - set(module))
+    if unknown:
+        raise ValueError(f"{path}: frozen= (--frozen) names {unknown}, which the checkpoint's "
+                         f"module does not have; its parameters are {sorted(module)}.")
     left = [n for n in module if n not in state.buffers and n not in state.aliases
             and n not in set(frozen or ())]
     names: Dict[int, str] = {}
@@ -499,7 +506,7 @@ def _universal(files: DeepSpeedFiles, model: Dict[str, Any], load: Load) -> Deep
 
 def _universal_param(zero: str, name: str, shape: List[int], group: int,
                      module: Dict[str, torch.Tensor], load: Load) -> TrainedParam:
-    folder = os.path.join(zero, name)
+    folder = _param_folder(zero, name)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{folder} is missing: the universal checkpoint has no folder "
                                 f"for parameter {name!r}; convert it again with "
@@ -520,6 +527,14 @@ def _universal_param(zero: str, name: str, shape: List[int], group: int,
                         states, scalars, group)
 
 
+def _param_folder(zero: str, name: str) -> str:
+    """``zero/<name>``; a name that is not one directory name is refused, never followed."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{zero}: parameter name {name!r} cannot name a folder of a universal "
+                         "checkpoint; the checkpoint is damaged.")
+    return os.path.join(zero, name)
+
+
 def _universal_tensor(path: str, shape: List[int], load: Load) -> torch.Tensor:
     saved = load(path)
     value = saved.get("param") if isinstance(saved, dict) else saved
@@ -536,7 +551,7 @@ def _universal_frozen(state: DeepSpeedState, zero: str, module: Dict[str, torch.
     _whole_frozen(state, module)
     for name, value in module.items():
         skip = name in state.params or name in state.buffers or name in state.aliases
-        path = os.path.join(zero, name, "fp32.pt")
+        path = os.path.join(_param_folder(zero, name), "fp32.pt")
         if not skip and name not in state.frozen and os.path.isfile(path):
             saved = load(path)
             state.frozen[name] = (saved["param"] if isinstance(saved, dict) else saved).to(

@@ -33,6 +33,7 @@ from ..optim import build_optimizer, build_scheduler
 from ..precision import LossScaler, Precision
 from ..state import TrainingParts, TrainState
 from ..zero._optview import ParamSlot
+from ._agreement import as_plain_errors
 from ._deepspeed_reader import DeepSpeedState, TrainedParam, read_deepspeed
 from ._format import dtype_name, encode_dict
 from ._paths import is_plain_tag
@@ -86,7 +87,7 @@ def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
         raise ValueError("import_deepspeed runs in one process, but a process group of "
                          f"{comm.get_world_size()} ranks is active: call it before "
                          "init_distributed, or run `shardtrain import-deepspeed`.")
-    state = read_deepspeed(ckpt_dir, tag, trust_pickle, frozen)
+    state = as_plain_errors(read_deepspeed, ckpt_dir, tag, trust_pickle, frozen)
     target = _target(os.fspath(ckpt_dir), os.fspath(out_dir), state)
     parts = _parts(state)
     save_checkpoint(_Imported(parts), out_dir, tag=state.tag, client_state=state.client_state)
