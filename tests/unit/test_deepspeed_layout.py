@@ -13,7 +13,7 @@ from shardtrain.checkpoint._deepspeed_files import (FragmentAddress, LossScalerS
                                                     ZeroStage, load_pickle)
 from shardtrain.checkpoint._deepspeed_layout import (FlatView, group_offsets, stage3_offsets,
                                                      stage3_param)
-from shardtrain.checkpoint._deepspeed_reader import align
+from shardtrain.checkpoint._deepspeed_stage0 import align
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"
 

@@ -39,9 +39,11 @@ How the modules divide the work:
 * ``_reading``: the tag, meta.json, verified byte ranges of the rank files.
 * ``_loading``: what each rank reads and checks; ``_applying``: putting it into the engine.
 * ``_consolidation``: full weights in one process.
-* ``_deepspeed_files``, ``_deepspeed_layout``, ``_deepspeed_reader``: a DeepSpeed checkpoint's
-  files (read by torch's restricted unpickler), its flat partitions, its training state;
-  ``_import``: that state written as a shardtrain checkpoint by :func:`save_checkpoint`.
+* DeepSpeed's checkpoints: ``_deepspeed_files`` (finding them; torch's restricted unpickler
+  with stand-ins for DeepSpeed's types), ``_deepspeed_layout`` (flat partitions),
+  ``_deepspeed_state`` (what one holds), ``_deepspeed_stage0`` (naming stage 0's optimizer
+  indices), ``_deepspeed_reader`` (every layout); ``_import``: that state written as a
+  shardtrain checkpoint by :func:`save_checkpoint`.
 
 Example:
     >>> engine.save_checkpoint("checkpoints")                  # tag global_step<N>, on all ranks

@@ -100,7 +100,8 @@ def locate(ckpt_dir: str, tag: Optional[str]) -> DeepSpeedFiles:
     if not os.path.isdir(tag_dir) or not inside(tag_dir, ckpt_dir):
         tags = sorted(e for e in os.listdir(ckpt_dir) if _is_tag_dir(os.path.join(ckpt_dir, e)))
         raise FileNotFoundError(f"DeepSpeed checkpoint tag {str(tag)!r} not found in "
-                                f"{ckpt_dir!r} (tags there: {tags or 'none'}); pass one of them with --tag.")
+                                f"{ckpt_dir!r} (tags there: {tags or 'none'}); pass one of "
+                                "them with --tag.")
     if not _is_tag_dir(tag_dir):
         raise ValueError(f"{tag_dir} is not a DeepSpeed checkpoint: it holds no "
                          f"{MODEL_STATES} nor zero_pp_rank_*_mp_rank_00_model_states.pt; "

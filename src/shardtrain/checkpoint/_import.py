@@ -34,7 +34,8 @@ from ..precision import LossScaler, Precision
 from ..state import TrainingParts, TrainState
 from ..zero._optview import ParamSlot
 from ._agreement import as_plain_errors
-from ._deepspeed_reader import DeepSpeedState, TrainedParam, read_deepspeed
+from ._deepspeed_reader import read_deepspeed
+from ._deepspeed_state import DeepSpeedState, TrainedParam
 from ._format import dtype_name, encode_dict
 from ._paths import is_plain_tag
 from ._saving import save_checkpoint
