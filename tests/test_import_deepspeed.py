@@ -205,16 +205,37 @@ class Payload:
         return (open, (self.path, "w"))
 
 
-def with_client_value(tmp_path, key, value, name="s2-fp32"):
-    """A copy of fixture ``name`` whose model states carry one more (client_state) key."""
+def rewritten(tmp_path, name, change):
+    """A copy of fixture ``name`` whose model states file ``change(states)`` edited."""
     copy = tmp_path / name
     shutil.copytree(FIXTURES / name, copy)
     path = copy / "global_step4" / "mp_rank_00_model_states.pt"
     states = dict(load_pickle(str(path)))  # its types are all builtin ones
-    states[key] = value
+    change(states)
     torch.save(states, path.with_suffix(".new"))  # not over the file its tensors map
     os.replace(path.with_suffix(".new"), path)
     return copy
+
+
+def with_client_value(tmp_path, key, value, name="s2-fp32"):
+    """A copy of fixture ``name`` whose model states carry one more (client_state) key."""
+    return rewritten(tmp_path, name, lambda states: states.update({key: value}))
+
+
+@pytest.mark.parametrize("name", ["s0-bf16", "s2-fp32"])
+def test_tied_weights_become_aliases(tmp_path, name):
+    """From stage 1 on DeepSpeed records ties in ``shared_params``; at stage 0 it records
+    none, and the storage the pickle shares between the two names shows the tie."""
+    def tie(states):
+        states["module"] = dict(states["module"], **{"tied.weight": states["module"][
+            "head.weight"]})
+        if name != "s0-bf16":
+            states["shared_params"] = {"tied.weight": "head.weight"}
+    import_deepspeed(rewritten(tmp_path, name, tie), tmp_path / "out")
+    meta = json.loads((tmp_path / "out" / "global_step4" / "meta.json").read_text())
+    assert meta["aliases"] == {"tied.weight": "head.weight"}
+    weights = full_weights(tmp_path / "out")
+    assert torch.equal(weights["tied.weight"], weights["head.weight"])
 
 
 def test_a_type_outside_the_allow_list_is_refused_by_name_and_runs_nothing(tmp_path):

@@ -77,10 +77,28 @@ def base_state(files: DeepSpeedFiles, model: Dict[str, Any], layout: str, stage:
     counters = {"global_steps": steps, "skipped_steps": int(model.get("skipped_steps") or 0),
                 "global_samples": int(model.get("global_samples") or steps * batch)}
     client = {k: v for k, v in model.items() if k not in DS_KEYS}
+    shared = model.get("shared_params")
+    aliases = dict(shared) if isinstance(shared, dict) else _tied(module)
     return DeepSpeedState(files.tag_dir, files.tag, layout, stage, world, _dtype(config),
-                          config, {}, {}, buffers, dict(model.get("shared_params") or {}), [],
-                          model.get("lr_scheduler"), {}, counters, client,
-                          model.get("data_sampler"))
+                          config, {}, {}, buffers, aliases, [], model.get("lr_scheduler"), {},
+                          counters, client, model.get("data_sampler"))
+
+
+def _tied(module: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """Tied weights where DeepSpeed did not record them (``shared_params`` is None at stage
+    0): a name whose tensor is an earlier name's, as the pickle shares their storage."""
+    seen: Dict[Any, str] = {}
+    out: Dict[str, str] = {}
+    for name, t in module.items():
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
+        if key in seen:
+            out[name] = seen[key]
+        else:
+            seen[key] = name
+    return out
 
 
 def _dtype(config: Dict[str, Any]) -> torch.dtype:
