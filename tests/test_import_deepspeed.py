@@ -186,6 +186,22 @@ def test_the_universal_form_converts_to_what_its_source_converts_to(converted):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_universal_files_of_flat_tensors_read_as_shaped_ones(converted, tmp_path):
+    """ds_to_universal of a stage-3 checkpoint saves each tensor flat: the same elements."""
+    copy = tmp_path / "universal"
+    shutil.copytree(FIXTURES / "universal-s2-fp32", copy)
+    for path in (copy / "global_step4" / "zero").glob("*/*.pt"):
+        saved = load_pickle(str(path))
+        if isinstance(saved, dict) and "param" in saved:
+            torch.save({"param": saved["param"].reshape(-1).clone()}, path.with_suffix(".new"))
+            os.replace(path.with_suffix(".new"), path)
+    import_deepspeed(copy, tmp_path / "out")
+    a = load_file(tmp_path / "out" / "global_step4" / "rank00000.safetensors")
+    b = load_file(converted / "universal-s2-fp32" / "global_step4" / "rank00000.safetensors")
+    assert a.keys() == b.keys() and any(k.startswith("optim/") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.startswith("rng/"))
+
+
 # -- refusals and the command ------------------------------------------------------------------
 
 class Hparams:

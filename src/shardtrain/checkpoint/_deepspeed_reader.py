@@ -294,12 +294,14 @@ def _param_folder(zero: str, name: str) -> str:
 
 
 def _universal_tensor(path: str, shape: List[int], load: Load) -> torch.Tensor:
+    """A universal file's whole tensor, flattened (shaped from stages 1-2, flat from 3)."""
     saved = load(path)
     value = saved.get("param") if isinstance(saved, dict) else saved
-    if not isinstance(value, torch.Tensor) or list(value.shape) != list(shape):
+    if not isinstance(value, torch.Tensor) or value.numel() != numel(shape):
         got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{path} holds {got}, not a tensor of the parameter's shape {shape}: "
-                         "padded or tensor-parallel universal slices are not supported.")
+        raise ValueError(f"{path} holds {got}, not the {numel(shape)} elements of the "
+                         f"parameter's shape {shape}: padded or tensor-parallel universal "
+                         "slices are not supported.")
     return value.reshape(-1)
 
 
