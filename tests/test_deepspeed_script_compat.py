@@ -360,9 +360,10 @@ API: List[Api] = [
         "the engine's output hooks"),
     Api("Engine.save_checkpoint", "differs",
         "DeepSpeed's signature, tag `global_step<N>` and `latest` file; another on-disk format "
-        "(safetensors and `meta.json`, docs/checkpoints.md): DeepSpeed checkpoints do not load "
-        "here, nor the reverse. Loads on any world size and ZeRO stage. `client_state` takes "
-        "any picklable values (Trainer and Lightning states)"),
+        "(safetensors and `meta.json`, docs/checkpoints.md): DeepSpeed checkpoints load once "
+        "converted (`shardtrain import-deepspeed`), shardtrain's do not load in DeepSpeed. "
+        "Loads on any world size and ZeRO stage. `client_state` takes any picklable values "
+        "(Trainer and Lightning states)"),
     Api("Engine.load_checkpoint", "differs",
         "no `custom_load_fn`; returns the tag directory and only the user's `client_state` keys, "
         "unpickled with torch's restricted (`weights_only`) loader"),

@@ -53,9 +53,16 @@ def test_only_accelerator_branches_on_cuda():
 
 def test_the_engine_never_imports_the_deepspeed_tree():
     importers = [name for name, tree in modules() if not name.startswith("deepspeed/")
-                 and any(isinstance(n, ast.ImportFrom) and "deepspeed" in (n.module or "")
-                         for n in runtime_nodes(tree))]
+                 and any(isinstance(n, ast.ImportFrom) and in_deepspeed_tree(
+                     imported_module(name, n)) for n in runtime_nodes(tree))]
     assert set(importers) <= {"cli/_alias.py", "cli/_info.py"}, importers
+
+
+def in_deepspeed_tree(module: str) -> bool:
+    """``shardtrain.deepspeed`` (the alias tree) or a top-level ``deepspeed`` package; not a
+    module that merely has the word in its name (``checkpoint._deepspeed_reader``)."""
+    return any(module == root or module.startswith(root + ".")
+               for root in ("deepspeed", "shardtrain.deepspeed"))
 
 
 def runtime_nodes(tree: ast.AST):

@@ -39,17 +39,24 @@ How the modules divide the work:
 * ``_reading``: the tag, meta.json, verified byte ranges of the rank files.
 * ``_loading``: what each rank reads and checks; ``_applying``: putting it into the engine.
 * ``_consolidation``: full weights in one process.
+* DeepSpeed's checkpoints: ``_deepspeed_files`` (finding them; torch's restricted unpickler
+  with stand-ins for DeepSpeed's types), ``_deepspeed_layout`` (flat partitions),
+  ``_deepspeed_state`` (what one holds), ``_deepspeed_stage0`` (naming stage 0's optimizer
+  indices), ``_deepspeed_reader`` (every layout); ``_import``: that state written as a
+  shardtrain checkpoint by :func:`save_checkpoint`.
 
 Example:
     >>> engine.save_checkpoint("checkpoints")                  # tag global_step<N>, on all ranks
     >>> path, client = engine.load_checkpoint("checkpoints")   # the tag named by ``latest``
     >>> consolidate("checkpoints", "model.safetensors")        # one process, no group needed
+    >>> import_deepspeed("ds_checkpoints", "checkpoints")      # DeepSpeed's, to this format
 """
 from ._background import wait_for_checkpoint
 from ._consolidation import consolidate, full_weights
 from ._format import FORMAT_VERSION
+from ._import import import_deepspeed
 from ._loading import load_checkpoint
 from ._saving import save_checkpoint
 
-__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION",
-           "wait_for_checkpoint"]
+__all__ = ["consolidate", "full_weights", "save_checkpoint", "load_checkpoint", "import_deepspeed",
+           "FORMAT_VERSION", "wait_for_checkpoint"]

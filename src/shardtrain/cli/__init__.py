@@ -10,6 +10,7 @@ module owns its command's options, examples and work, and registers itself with
 * ``_estimate``: ``shardtrain estimate``, model-state memory per rank for ZeRO stages 0-3;
 * ``_info``: ``shardtrain info``, what a bug report needs;
 * ``_consolidate``: ``shardtrain consolidate``, a checkpoint's full weights in one file;
+* ``_import_deepspeed``: ``shardtrain import-deepspeed``, a DeepSpeed checkpoint converted;
 * ``_autotune``: ``shardtrain autotune`` over :func:`shardtrain.autotune.autotune`;
 * ``_plot``: ``shardtrain plot`` over :func:`shardtrain.telemetry.plot_run`;
 * ``_alias``: ``shardtrain deepspeed-alias``, the ``deepspeed`` distribution;
@@ -38,7 +39,8 @@ from typing import Optional, Sequence
 import torch
 
 from .. import __version__
-from . import _alias, _autotune, _consolidate, _estimate, _info, _plot, _run
+from . import (_alias, _autotune, _consolidate, _estimate, _import_deepspeed, _info,
+               _plot, _run)
 from ._autotune import autotune_main
 from ._common import _Failure, _UsageError
 from ._plot import plot_main
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _estimate.add_parser(commands)
     _info.add_parser(commands)
     _consolidate.add_parser(commands)
+    _import_deepspeed.add_parser(commands)
     _alias.add_parser(commands)
     _autotune.add_parser(commands)  # its arguments are parsed by autotune_main
     _plot.add_parser(commands)      # and these by plot_main
@@ -95,6 +98,7 @@ commands:
   estimate   model-state memory per rank for ZeRO stages 0-3, from a model built on 'meta'
   info       torch, backends, devices and launcher environment, for bug reports
   consolidate  full weights of a checkpoint (any world size, any stage) in one file
+  import-deepspeed  convert a DeepSpeed checkpoint (ZeRO 0-3, universal) into a shardtrain one
   autotune   largest micro-batch that fits a memory budget per ZeRO stage, fastest config
   plot       PNG plots of loss, learning rate, throughput and memory from monitor files
   deepspeed-alias  install the deepspeed alias: libraries that import deepspeed run on shardtrain
@@ -104,6 +108,7 @@ examples:
   shardtrain estimate --model mypkg.models:build --nproc 8 --dtype bf16
   shardtrain info
   shardtrain consolidate checkpoints/ model.safetensors
+  shardtrain import-deepspeed ds_checkpoints/ checkpoints/
   shardtrain autotune train.py --config train.json --memory-budget 20GiB --stages 0,2,3
   shardtrain plot runs/demo
   shardtrain deepspeed-alias install

@@ -1,0 +1,318 @@
+"""DeepSpeed's checkpoint layouts, read into one description of the training state.
+
+Whatever the layout, the result is a :class:`._deepspeed_state.DeepSpeedState` (every trained
+parameter whole, with its master and optimizer states; frozen parameters, buffers, counters,
+scheduler, loss scaler, config, client keys). Facts of each layout (key names and where the
+elements lie):
+
+* **stage 0**: ``mp_rank_00_model_states.pt`` holds the module and the optimizer's state dict,
+  whose parameters are numbered, not named: :mod:`._deepspeed_stage0` names them.
+* **stages 1-2**: the module in ``mp_rank_00_model_states.pt`` (with ``param_shapes``: the
+  names, shapes and order of each flat group); every rank's ``[bf16_]zero_pp_rank_<r>_...
+  optim_states.pt`` holds its piece of each group's flat fp32 masters
+  (``single_partition_of_fp32_groups``) and of the base optimizer's flat states.
+* **stage 3**: every rank's ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (its
+  ``frozen_param_fragments``) and optim file (``fp32_flat_groups`` and the base optimizer's
+  state per sub-group); the module's own tensors are empty there.
+* **universal** (``ds_to_universal``): one folder per parameter under ``zero/`` holding its
+  whole ``fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` and ``step.pt``; hyperparameters and
+  the loss scaler in ``zero/optimizer_state.pt``.
+
+Where the elements of a parameter lie in the flat partitions is :mod:`._deepspeed_layout`'s
+business. Tensors stay views of the memory-mapped files wherever the layout keeps a parameter
+contiguous; only parameters split across ranks are copied into one piece.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._deepspeed_files import DeepSpeedFiles, load_pickle, locate
+from ._deepspeed_layout import FlatView, group_offsets, stage3_offsets, stage3_param
+from ._deepspeed_stage0 import read_stage0
+from ._deepspeed_state import (DeepSpeedState, Load, TrainedParam, base_state,
+                               hyperparameters, numel, per_element, scaler_state, whole,
+                               whole_frozen)
+
+__all__ = ["read_deepspeed"]
+
+
+def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool = False,
+                   frozen: Optional[Sequence[str]] = None) -> DeepSpeedState:
+    """Reads a DeepSpeed checkpoint (stages 0-3 or universal) into a :class:`DeepSpeedState`."""
+    files = locate(ckpt_dir, tag)
+
+    def load(path: str) -> Any:
+        return load_pickle(path, trust_pickle)
+
+    model = _model_states(files.model_states[0], load)
+    if not files.universal and not files.optim_states:
+        return read_stage0(files, model, frozen)
+    if frozen:
+        raise ValueError(f"{files.tag_dir}: frozen= (--frozen) is for stage-0 checkpoints, whose "
+                         "optimizer does not name its parameters; this one names them: drop it.")
+    if files.universal:
+        return _universal(files, model, load)
+    _check_world(files, model)
+    optims = [_optim_states(path, load) for path in files.optim_states]
+    if "fp32_flat_groups" in optims[0]:
+        return _stage3(files, model, optims, load)
+    return _stage12(files, model, optims)
+
+
+# -- the files every layout has -----------------------------------------------------------------
+
+def _model_states(path: str, load: Load) -> Dict[str, Any]:
+    model = load(path)
+    if not isinstance(model, dict) or not isinstance(model.get("module"), dict):
+        raise ValueError(f"{path} is not a DeepSpeed model states file (no 'module' state "
+                         "dict); pass the directory of a DeepSpeed checkpoint.")
+    if int(model.get("mp_world_size") or 1) != 1:
+        raise NotImplementedError(f"{path}: tensor-parallel DeepSpeed checkpoints "
+                                  f"(mp_world_size {model['mp_world_size']}) are not supported.")
+    return model
+
+
+def _optim_states(path: str, load: Load) -> Dict[str, Any]:
+    saved = load(path)
+    osd = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
+    if not isinstance(osd, dict) or not ({"fp32_flat_groups", "single_partition_of_fp32_groups"}
+                                         & set(osd)):
+        raise NotImplementedError(f"{path} is not a ZeRO optimizer states file this converter "
+                                  "knows (no fp32_flat_groups or single_partition_of_fp32_groups)"
+                                  "; convert a ZeRO stage 0-3 checkpoint of DeepSpeed 0.19.")
+    return osd
+
+
+def _check_world(files: DeepSpeedFiles, model: Dict[str, Any]) -> None:
+    world = int(model.get("dp_world_size") or len(files.optim_states))
+    if len(files.optim_states) != world:
+        raise FileNotFoundError(
+            f"{files.tag_dir} holds optimizer states of {len(files.optim_states)} rank(s) but "
+            f"the checkpoint was saved by {world}: the checkpoint is incomplete; copy every "
+            "rank's zero_pp_rank_*_optim_states.pt.")
+
+
+def _shapes(model: Dict[str, Any], path: str) -> List[List[Tuple[str, List[int]]]]:
+    """``param_shapes``: per flat group, the names and shapes of its parameters, in order."""
+    groups = model.get("param_shapes")
+    if isinstance(groups, dict):
+        groups = [groups]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"{path} has no param_shapes: it is not a ZeRO checkpoint of "
+                         "DeepSpeed 0.19 (or it was damaged).")
+    return [[(n, [int(d) for d in s]) for n, s in g.items()] for g in groups]
+
+
+# -- stages 1 and 2 -----------------------------------------------------------------------------
+
+def _stage12(files: DeepSpeedFiles, model: Dict[str, Any],
+             optims: List[Dict[str, Any]]) -> DeepSpeedState:
+    stage = int(optims[0].get("zero_stage", 1))
+    state = base_state(files, model, f"ZeRO stage {stage}", stage, len(optims))
+    shapes = _shapes(model, files.model_states[0])
+    for g, params in enumerate(shapes):
+        _read_group12(state, files, optims, g, params, model["module"])
+    whole_frozen(state, model["module"])
+    base = optims[0]["base_optimizer_state"]
+    saved_groups = base["param_groups"] if isinstance(base, dict) else [{}] * len(shapes)
+    state.groups = hyperparameters(saved_groups)  # the elastic form keeps none
+    state.loss_scaler = scaler_state(optims[0].get("loss_scaler"), optims[0].get(
+        "dynamic_loss_scale"), state.counters["global_steps"])
+    return state
+
+
+def _read_group12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dict[str, Any]],
+                  g: int, params: List[Tuple[str, List[int]]],
+                  module: Dict[str, torch.Tensor]) -> None:
+    """One flat group: every rank's unpadded piece, end to end, cut into its parameters."""
+    numels = [numel(s) for _, s in params]
+    paddings = (optims[0].get("param_alignment_paddings") or [[0] * len(params)] * (g + 1))[g]
+    offsets, end = group_offsets(numels, paddings)
+    lengths = [o["single_partition_of_fp32_groups"][g].numel() for o in optims]
+    masters = FlatView([o["single_partition_of_fp32_groups"][g] for o in optims])
+    if masters.numel != end:
+        raise ValueError(f"{files.tag_dir}: flat group {g} holds {masters.numel} fp32 elements "
+                         f"but its param_shapes add up to {end}: the checkpoint is damaged.")
+    per_rank = [_group_state(o, g) for o in optims]
+    states = {k: FlatView([s[k].reshape(-1)[:n] for s, n in zip(per_rank, lengths)])
+              for k, v in per_rank[0].items() if per_element(v)}
+    scalars = {k: v for k, v in per_rank[0].items() if not per_element(v)}
+    for (name, shape), off, n in zip(params, offsets, numels):
+        weight = module.get(name)
+        state.params[name] = TrainedParam(
+            shape, masters.slice(off, off + n), weight if whole(weight, n) else None,
+            {k: v.slice(off, off + n) for k, v in states.items()}, dict(scalars), g)
+
+
+def _group_state(osd: Dict[str, Any], g: int) -> Dict[str, Any]:
+    """The base optimizer's state of flat group ``g`` (plain or elastic form)."""
+    base = osd["base_optimizer_state"]
+    if isinstance(base, dict):  # a torch state dict: state keyed by the group's index
+        saved = dict(base["state"].get(g, {}))
+        group = base["param_groups"][g]
+    else:  # elastic: one lean state per group, the step beside it
+        saved, group = dict(base[g]), {}
+        if "base_optimizer_state_step" in osd:
+            saved.setdefault("step", osd["base_optimizer_state_step"])
+    if "step" not in saved and "step" in group:  # optimizers that count per group
+        saved["step"] = group["step"]
+    return saved
+
+
+# -- stage 3 ------------------------------------------------------------------------------------
+
+def _stage3(files: DeepSpeedFiles, model: Dict[str, Any], optims: List[Dict[str, Any]],
+            load: Load) -> DeepSpeedState:
+    world = len(optims)
+    if int(optims[0].get("partition_count", world)) != world:
+        raise NotImplementedError(f"{files.optim_states[0]}: ZeRO-3 partitioned over "
+                                  f"{optims[0]['partition_count']} of {world} ranks (hpZ/MiCS) "
+                                  "is not supported.")
+    state = base_state(files, model, "ZeRO stage 3", 3, world)
+    _stage3_params(state, files, optims, _shapes(model, files.model_states[0]))
+    state.frozen = _stage3_frozen(files, model, load)
+    saved_groups = optims[0]["optimizer_state_dict"]["param_groups"]
+    state.groups, merged = _merge_subgroups(hyperparameters(saved_groups))
+    for p in state.params.values():
+        p.group = merged[p.group]
+    state.loss_scaler = scaler_state(optims[0].get("loss_scaler"), optims[0].get(
+        "dynamic_loss_scale"), state.counters["global_steps"])
+    return state
+
+
+def _stage3_params(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dict[str, Any]],
+                   shapes: List[List[Tuple[str, List[int]]]]) -> None:
+    """Every parameter's pieces of every rank's flat vectors, put together (copies)."""
+    flat = [(g, n, s) for g, params in enumerate(shapes) for n, s in params]
+    offsets, length = stage3_offsets([numel(s) for _, _, s in flat], len(optims))
+    masters = [FlatView(o["fp32_flat_groups"]) for o in optims]
+    if any(m.numel != length for m in masters):
+        raise ValueError(f"{files.tag_dir}: a rank's fp32_flat_groups hold "
+                         f"{[m.numel for m in masters]} elements, param_shapes say {length} "
+                         "per rank: the checkpoint is damaged.")
+    states, scalars = _stage3_states(optims, len(shapes))
+    for (g, name, shape), off in zip(flat, offsets):
+        n = numel(shape)
+        state.params[name] = TrainedParam(
+            shape, stage3_param(masters, off, n), None,
+            {k: stage3_param(v, off, n) for k, v in states.items()}, dict(scalars[g]), g)
+
+
+def _stage3_states(optims: List[Dict[str, Any]], groups: int
+                   ) -> Tuple[Dict[str, List[FlatView]], List[Dict[str, Any]]]:
+    """Per-element states as every rank's flat vector (sub-groups end to end), and the scalar
+    states of each sub-group."""
+    per_rank = [[_group_state({"base_optimizer_state": o["optimizer_state_dict"]}, g)
+                 for g in range(groups)] for o in optims]
+    keys = [k for k, v in per_rank[0][0].items() if per_element(v)] if groups else []
+    states = {k: [FlatView([s[k] for s in rank]) for rank in per_rank] for k in keys}
+    scalars = [{k: v for k, v in s.items() if not per_element(v)} for s in per_rank[0]]
+    return states, scalars
+
+
+def _stage3_frozen(files: DeepSpeedFiles, model: Dict[str, Any],
+                   load: Load) -> Dict[str, torch.Tensor]:
+    """Frozen parameters: every rank's fragment, end to end, cut to the parameter's size."""
+    shapes = model.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    ranks = [model] + [load(p) for p in files.model_states[1:]]
+    out = {}
+    for name, shape in shapes.items():
+        views = [FlatView([r["frozen_param_fragments"][name]]) for r in ranks]
+        out[name] = stage3_param(views, 0, numel(shape)).reshape(list(shape))
+    return out
+
+
+def _merge_subgroups(groups: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], List[int]]:
+    """Stage 3 splits a param group into sub-groups of equal hyperparameters: consecutive
+    sub-groups with the same hyperparameters are taken as one group again."""
+    merged: List[Dict[str, Any]] = []
+    index = []
+    for g in groups:
+        if not merged or merged[-1] != g:
+            merged.append(g)
+        index.append(len(merged) - 1)
+    return merged, index
+
+
+# -- the universal form -------------------------------------------------------------------------
+
+def _universal(files: DeepSpeedFiles, model: Dict[str, Any], load: Load) -> DeepSpeedState:
+    zero = os.path.join(files.tag_dir, "zero")
+    optim = load(os.path.join(zero, "optimizer_state.pt"))
+    stage = int(optim.get("zero_stage", 1))
+    state = base_state(files, model, f"universal (from ZeRO stage {stage})", stage,
+                       int(model.get("dp_world_size") or 1))
+    shapes = _shapes(model, files.model_states[0])
+    for g, params in enumerate(shapes):
+        for name, shape in params:
+            state.params[name] = _universal_param(zero, name, shape, g, model["module"], load)
+    _universal_frozen(state, zero, model["module"], load)
+    groups = hyperparameters(optim.get("param_groups") or [{}] * len(shapes))
+    state.groups, merged = _merge_subgroups(groups) if stage == 3 else (groups,
+                                                                          list(range(len(groups))))
+    for p in state.params.values():
+        p.group = merged[p.group]
+    state.loss_scaler = scaler_state(optim.get("loss_scaler"), optim.get("dynamic_loss_scale"),
+                                     state.counters["global_steps"])
+    return state
+
+
+def _universal_param(zero: str, name: str, shape: List[int], group: int,
+                     module: Dict[str, torch.Tensor], load: Load) -> TrainedParam:
+    folder = _param_folder(zero, name)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder} is missing: the universal checkpoint has no folder "
+                                f"for parameter {name!r}; convert it again with "
+                                "ds_to_universal.")
+    master = _universal_tensor(os.path.join(folder, "fp32.pt"), shape, load)
+    states, scalars = {}, {}
+    for entry in sorted(os.listdir(folder)):
+        key = entry[:-3] if entry.endswith(".pt") else None
+        if key in (None, "fp32"):
+            continue
+        if key == "step":
+            step = load(os.path.join(folder, entry))
+            scalars["step"] = step["param"] if isinstance(step, dict) else step
+        else:
+            states[key] = _universal_tensor(os.path.join(folder, entry), shape, load)
+    weight = module.get(name)
+    return TrainedParam(shape, master, weight if whole(weight, master.numel()) else None,
+                        states, scalars, group)
+
+
+def _param_folder(zero: str, name: str) -> str:
+    """``zero/<name>``; a name that is not one directory name is refused, never followed."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{zero}: parameter name {name!r} cannot name a folder of a universal "
+                         "checkpoint; the checkpoint is damaged.")
+    return os.path.join(zero, name)
+
+
+def _universal_tensor(path: str, shape: List[int], load: Load) -> torch.Tensor:
+    """A universal file's whole tensor, flattened (shaped from stages 1-2, flat from 3)."""
+    saved = load(path)
+    value = saved.get("param") if isinstance(saved, dict) else saved
+    if not isinstance(value, torch.Tensor) or value.numel() != numel(shape):
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{path} holds {got}, not the {numel(shape)} elements of the "
+                         f"parameter's shape {shape}: padded or tensor-parallel universal "
+                         "slices are not supported.")
+    return value.reshape(-1)
+
+
+def _universal_frozen(state: DeepSpeedState, zero: str, module: Dict[str, torch.Tensor],
+                      load: Load) -> None:
+    """Frozen parameters from the module where it kept them, else from their fp32.pt."""
+    whole_frozen(state, module)
+    for name, value in module.items():
+        skip = name in state.params or name in state.buffers or name in state.aliases
+        path = os.path.join(_param_folder(zero, name), "fp32.pt")
+        if not skip and name not in state.frozen and os.path.isfile(path):
+            saved = load(path)
+            state.frozen[name] = (saved["param"] if isinstance(saved, dict) else saved).to(
+                value.dtype)

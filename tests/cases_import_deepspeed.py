@@ -1,0 +1,93 @@
+"""Resuming converted DeepSpeed checkpoints, run on every rank of one process group (see
+test_import_deepspeed.py).
+
+Each case builds the fixtures' model with shardtrain at some ZeRO stage on this world size,
+loads one converted checkpoint, reports what the load restored (counters, learning rate, loss
+scale, scheduler state, this rank's masters and optimizer states), then trains the steps
+DeepSpeed trained after its save, on the same batches, and reports the losses.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+import ds_tiny_model as tiny
+import shardtrain
+from _dist import run_cases
+from shardtrain import comm
+
+Plan = Sequence[Tuple[str, int, bool, bool]]  # (checkpoint, stage, bf16, load optimizer states)
+
+
+def case_key(name: str, stage: int, with_optimizer: bool = True) -> str:
+    return f"{name}@s{stage}" + ("" if with_optimizer else "-weights-only")
+
+
+def resume_all(rank: int, world_size: int, root: str, plan: Plan) -> Dict[str, Any]:
+    """Every case of ``plan``; a case that raises is reported, not fatal (``run_cases``)."""
+    torch.manual_seed(0)
+    cases = {case_key(name, stage, optim): functools.partial(
+        resume, os.path.join(root, name), stage, bf16, optim)
+        for name, stage, bf16, optim in plan}
+    return run_cases(cases, rank, world_size)
+
+
+def resume(path: str, stage: int, bf16: bool, with_optimizer: bool, rank: int,
+           world: int) -> Dict[str, Any]:
+    model = tiny.make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = shardtrain.initialize(model=model, model_parameters=params,
+                                       config=tiny.config(stage, bf16, world))
+    engine.load_checkpoint(path, load_optimizer_states=with_optimizer)
+    loaded = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+              "skipped_steps": engine.skipped_steps, "lr": engine.get_lr()[0],
+              "scale": engine.get_loss_scale(), "scheduler": engine.lr_scheduler.state_dict(),
+              "slots": slots(engine)}
+    trained = train(engine, rank, world)
+    trained.update(loaded=loaded, global_steps=engine.global_steps,
+                   global_samples=engine.global_samples)
+    return trained
+
+
+def slots(engine) -> Dict[str, Dict[str, Any]]:
+    """This rank's fp32 masters (the weights themselves in fp32) and Adam states."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = {}
+    for slot in engine.optimizer_slots():
+        if slot.tensor is None:
+            continue
+        state = engine.optimizer.state.get(slot.tensor, {})
+        if not state:  # loaded without the optimizer states, before any step
+            continue
+        out[names[id(slot.param)]] = {
+            "lo": slot.lo, "hi": slot.hi,
+            "fp32": slot.tensor.detach().float().reshape(-1).clone(),
+            "exp_avg": state["exp_avg"].detach().reshape(-1).clone(),
+            "exp_avg_sq": state["exp_avg_sq"].detach().reshape(-1).clone(),
+            "step": float(state["step"])}
+    return out
+
+
+def train(engine, rank: int, world: int) -> Dict[str, Any]:
+    """DeepSpeed's continued steps: per step, the mean loss over ranks and micro-steps; this
+    rank's loss of each micro-step; the learning rate after each step."""
+    means: List[float] = []
+    micro: List[List[float]] = []
+    lrs: List[float] = []
+    for step in range(tiny.SAVE_AT, tiny.SAVE_AT + tiny.CONTINUE):
+        row = []
+        for m in range(tiny.GAS):
+            x, y = tiny.micro_batch(step, m, rank, world)
+            loss = tiny.loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            row.append(float(loss.detach()))
+        total = torch.tensor([sum(row)], dtype=torch.float64)
+        comm.all_reduce(total)
+        means.append(float(total) / (world * tiny.GAS))
+        micro.append(row)
+        lrs.append(engine.get_lr()[0])
+    return {"losses": means, "micro": micro, "lrs": lrs}
