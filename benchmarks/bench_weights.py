@@ -35,7 +35,7 @@ from _ranks import run_ranks  # noqa: E402  (next to this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-SEQ, MICRO = 128, 4
+MICRO = 4
 
 
 def parse_args(argv=None):
@@ -58,8 +58,9 @@ def _model(args) -> torch.nn.Module:
     return gpt.GPT(gpt.gpt_config(args.model, **overrides))
 
 
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, 65, (MICRO, SEQ + 1), generator=torch.Generator().manual_seed(step))
+def _batch(step: int, model: torch.nn.Module) -> torch.Tensor:
+    seq = min(128, model.config.block_size)
+    return torch.randint(0, 65, (MICRO, seq + 1), generator=torch.Generator().manual_seed(step))
 
 
 def _engine(args, asynchronous: bool = False):
@@ -75,7 +76,7 @@ def _engine(args, asynchronous: bool = False):
 
 def _train(engine, steps: int, first: int = 0) -> None:
     for step in range(first, first + steps):
-        tokens = _batch(step)
+        tokens = _batch(step, engine.module)
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
         engine.step()
 
@@ -146,7 +147,7 @@ def _dcp(args, where: Path) -> Dict[str, Any]:
         fully_shard(block)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = _batch(0)
+    tokens = _batch(0, model)
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optim.step()
 

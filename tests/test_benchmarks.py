@@ -74,3 +74,20 @@ def test_rank_launcher_fails_fast_when_a_rank_dies():
         assert time.monotonic() - start < 60
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def test_weights_benchmark_smoke_run(tmp_path):
+    """bench_weights.py on the tiny model, 2 ranks: every measurement is taken and reported."""
+    out = tmp_path / "weights.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_weights.py"), "--model", "tiny", "--steps", "1",
+         "--dir", str(tmp_path / "files"), "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == 2
+    for rank in ranks:
+        for name in ("save_16bit_model", "save_checkpoint", "load_checkpoint", "load_pretrained"):
+            assert rank["ours"][name]["seconds"] > 0, name
+        assert rank["dcp"]["save"]["bytes"] > 0 and rank["async"]["save_blocks"] >= 0
+    assert "ratios shardtrain / DCP" in proc.stdout and "asynchronous save" in proc.stdout
