@@ -11,7 +11,12 @@ checked against what every rank file recorded when it was written, in its safete
   error names the field;
 * ``shardtrain.rank``, ``shardtrain.world_size``: who wrote the file, in which world;
 * ``shardtrain.ranges``: for each tensor, the ``[lo, hi)`` of the flattened parameter it holds,
-  checked against the piece meta.json says the file holds before the piece is read.
+  checked against the piece meta.json says the file holds before the piece is read;
+* ``shardtrain.crc32``: the CRC32 of each tensor's bytes (written by
+  :func:`._safetensors_writer.write_safetensors`, in the pass that computes the file's CRC32).
+  A load checks whole files against meta.json; a reader that needs only some tensors (an
+  export of the weights) checks each tensor it reads against this instead, so it never reads
+  the optimizer states to verify the weights.
 
 meta.json's own layout is checked first (:func:`check_layout`): element counts against
 shapes, and every piece against the even sharding the save uses, so a swapped or resized
@@ -32,13 +37,14 @@ from ._agreement import Problem, corrupted
 from ._paths import RANK_FILE
 
 __all__ = ["manifest_digests", "header_metadata", "check_header", "header_ranges",
-           "check_range", "check_layout", "HEADER_MANIFEST"]
+           "header_crc32s", "check_range", "check_layout", "HEADER_MANIFEST", "HEADER_CRC32"]
 
 HEADER_FORMAT = "shardtrain.format"
 HEADER_RANK = "shardtrain.rank"
 HEADER_WORLD = "shardtrain.world_size"
 HEADER_RANGES = "shardtrain.ranges"
 HEADER_MANIFEST = "shardtrain.manifest"
+HEADER_CRC32 = "shardtrain.crc32"
 
 
 def manifest_digests(meta: Mapping[str, Any]) -> Dict[str, str]:
@@ -80,6 +86,20 @@ def check_header(path: str, meta_path: str, header: Optional[Dict[str, str]],
 def header_ranges(header: Optional[Dict[str, str]]) -> Optional[Dict[str, List[int]]]:
     """The ``[lo, hi)`` a rank file's header records for each tensor (None: format 1)."""
     return json.loads(header[HEADER_RANGES]) if header and HEADER_RANGES in header else None
+
+
+def header_crc32s(path: str, header: Optional[Dict[str, str]]) -> Optional[Dict[str, int]]:
+    """The CRC32 a rank file's header records for each tensor (None: saved before they
+    were recorded)."""
+    if not header or HEADER_CRC32 not in header:
+        return None
+    try:
+        crcs = json.loads(header[HEADER_CRC32])
+    except ValueError:
+        raise corrupted(path, f"its {HEADER_CRC32} is not JSON") from None
+    if not isinstance(crcs, dict) or not all(isinstance(v, int) for v in crcs.values()):
+        raise corrupted(path, f"its {HEADER_CRC32} is not an object of integers")
+    return crcs
 
 
 def check_range(path: str, ranges: Optional[Dict[str, List[int]]], key: str, lo: int,
