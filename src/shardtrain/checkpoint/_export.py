@@ -128,17 +128,18 @@ def _write_shard(f: BinaryIO, tensors: List[Planned], reader: Reader) -> None:
     for t in tensors:
         written = 0
         for chunk in reader.stream(t.key, t.entry, CHUNK_BYTES):
-            out = chunk.to(t.dtype)  # a copy of this chunk only when the dtype changes
-            f.write(tensor_bytes(out))
-            written += out.numel()
+            # converted (a copy) only when the dtype changes, and freed once written
+            f.write(tensor_bytes(chunk.to(t.dtype)))
+            written += chunk.numel()
         assert written * t.dtype.itemsize == t.nbytes, "meta.json's pieces cover each tensor"
 
 
 def _remove_stale(out_dir: str, written: set) -> None:
     """Weight files of an earlier export into ``out_dir`` that this one did not replace."""
-    for name in sorted(os.listdir(out_dir)):
-        path = os.path.join(out_dir, name)
-        if name not in written and _OURS.fullmatch(name) and os.path.isfile(path):
-            logger.info("export: removing %s, left by an earlier export", path)
-            os.remove(path)
-
+    stale = [name for name in sorted(os.listdir(out_dir)) if name not in written
+             and _OURS.fullmatch(name) and os.path.isfile(os.path.join(out_dir, name))]
+    for name in stale:
+        os.remove(os.path.join(out_dir, name))
+    if stale:
+        logger.info("export: removed %d file(s) an earlier export left in %s: %s", len(stale),
+                    out_dir, ", ".join(stale))
