@@ -1,21 +1,18 @@
 """CRC32 of a concatenation from the CRC32s of its parts: zlib's ``crc32_combine``.
 
-A checkpoint's rank file records the CRC32 of each tensor (so that one tensor can be checked
-without reading the others) and meta.json the CRC32 of the whole file (so that a load checks
-every byte). Streaming the bytes through ``zlib.crc32`` twice would double the checksum cost
-of a save; instead each tensor's CRC32 is computed once and the file's is combined from the
-parts': ``crc32(a + b) == crc32_combine(crc32(a), crc32(b), len(b))``. Python's ``zlib``
-does not expose ``crc32_combine``, so this is zlib's algorithm (1.2.12 and later) in Python.
+A rank file's CRC32 (which meta.json records) covers its header and its data, but the header
+is written last, after the data has gone through ``zlib.crc32`` (the header holds the
+tensors' checksums, known only then). Rather than read the data a second time, the file's
+CRC32 is combined from the header's and the data's: ``crc32(a + b) == crc32_combine(crc32(a),
+crc32(b), len(b))``. Python's ``zlib`` does not expose ``crc32_combine``, so this is zlib's
+algorithm (1.2.12 and later) in Python.
 
 Appending ``n`` bytes multiplies the CRC register by ``x^(8n)`` modulo the CRC polynomial
 (the bytes' own contribution is the second CRC, added in GF(2), i.e. xor). ``x^(8n)`` is the
-product of the precomputed ``x^(2^k)`` for the bits of ``8n``; it is cached per length,
-because a rank file holds many tensors of the same size. A combine then costs one 32-step
-multiplication, microseconds, whatever the length.
+product of the precomputed ``x^(2^k)`` for the bits of ``8n``: a few dozen 32-step
+multiplications, tens of microseconds whatever the length.
 """
 from __future__ import annotations
-
-import functools
 
 __all__ = ["crc32_combine"]
 
@@ -46,7 +43,6 @@ def _powers() -> list:
 _X2N = _powers()
 
 
-@functools.lru_cache(maxsize=4096)
 def _shift(nbytes: int) -> int:
     """``x^(8 * nbytes)`` modulo the polynomial: what appending ``nbytes`` bytes multiplies
     the register by."""

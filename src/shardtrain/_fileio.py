@@ -12,11 +12,9 @@ import contextlib
 import os
 import uuid
 import zlib
-from typing import Dict, Iterator, Optional, Sequence, Union
+from typing import BinaryIO, Dict, Iterator, Union
 
-from ._crc32 import crc32_combine
-
-__all__ = ["atomic_path", "write_synced", "fsync_dir", "temporary_name"]
+__all__ = ["atomic_path", "synced_file", "write_synced", "fsync_dir", "temporary_name"]
 
 Blob = Union[bytes, bytearray, memoryview]
 
@@ -50,27 +48,27 @@ def atomic_path(path: "Union[str, os.PathLike[str]]") -> Iterator[str]:
     fsync_dir(directory)
 
 
-def write_synced(path: str, *blobs: Blob,
-                 crc32s: Optional[Sequence[Optional[int]]] = None) -> Dict[str, int]:
-    """Writes the buffers one after the other and fsyncs; returns ``{"bytes", "crc32"}``.
-
-    ``crc32s``, one entry per buffer, gives the CRC32s the caller has already computed (None
-    for the others): those buffers are not read again, the file's CRC32 is combined from
-    theirs. Not atomic by itself: callers write into a temporary name or directory first.
-    """
-    known = list(crc32s) if crc32s is not None else [None] * len(blobs)
-    if len(known) != len(blobs):
-        raise ValueError(f"write_synced: {len(blobs)} buffers but {len(known)} CRC32s")
-    crc, size = 0, 0
+@contextlib.contextmanager
+def synced_file(path: str) -> Iterator[BinaryIO]:
+    """Yields ``path`` opened for writing (truncated); flushed and fsync'ed when the block
+    ends without an error. Not atomic by itself: callers write into a temporary name or
+    directory first."""
     with open(path, "wb") as f:
-        for blob, blob_crc in zip(blobs, known):
-            f.write(blob)
-            nbytes = memoryview(blob).nbytes
-            crc = zlib.crc32(blob, crc) if blob_crc is None else crc32_combine(crc, blob_crc,
-                                                                                  nbytes)
-            size += nbytes
+        yield f
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_synced(path: str, *blobs: Blob) -> Dict[str, int]:
+    """Writes the buffers one after the other and fsyncs; returns ``{"bytes", "crc32"}``.
+
+    Not atomic by itself: callers write into a temporary name or directory first.
+    """
+    crc, size = 0, 0
+    with synced_file(path) as f:
+        for blob in blobs:
+            f.write(blob)
+            crc, size = zlib.crc32(blob, crc), size + len(blob)
     return {"bytes": size, "crc32": crc}
 
 

@@ -2,7 +2,8 @@
 
 ``crc32_combine`` must agree with ``zlib.crc32`` of the concatenation for every length
 (empty parts, one byte, lengths with many bits set); the safetensors writer must record each
-tensor's CRC32 in its header and report the whole file's, without reading the data twice.
+tensor's checksum in its header (fixed-width hex, written after the data) and report the
+whole file's CRC32, combined from the header's and the data's, exactly as ``zlib.crc32``.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from shardtrain._crc32 import crc32_combine
-from shardtrain._fileio import write_synced
-from shardtrain.checkpoint._integrity import HEADER_CRC32
+from shardtrain.checkpoint._agreement import Problem
+from shardtrain.checkpoint._integrity import HEADER_CRC32, header_crc32s
 from shardtrain.checkpoint._safetensors_writer import write_safetensors
 
 LENGTHS = [0, 1, 2, 3, 7, 8, 255, 256, 1023, 4096, 65537, 2**20 + 12345]
@@ -44,17 +45,9 @@ def test_combine_refuses_a_negative_length():
         crc32_combine(0, 0, -1)
 
 
-def test_write_synced_combines_the_crcs_it_is_given(tmp_path):
-    blobs = [b"head", bytes(range(200)), b"", b"tail" * 99]
-    known = [None, zlib.crc32(blobs[1]), zlib.crc32(blobs[2]), None]
-    info = write_synced(str(tmp_path / "f"), *blobs, crc32s=known)
-    data = (tmp_path / "f").read_bytes()
-    assert info == {"bytes": len(data), "crc32": zlib.crc32(data)}
-    with pytest.raises(ValueError, match="2 buffers but 1 CRC32s"):
-        write_synced(str(tmp_path / "g"), b"a", b"b", crc32s=[None])
-
-
-def test_rank_file_records_each_tensors_crc32(tmp_path):
+def test_rank_file_records_a_checksum_per_tensor(tmp_path):
+    """Each tensor's [before, after]: the running CRC32 of the data section around its bytes,
+    so that zlib.crc32(its bytes, before) == after checks it alone."""
     tensors = {"param/w": torch.randn(5, 7), "master/w": torch.randn(35).bfloat16(),
                "optim/w/step": torch.arange(3), "buffer/empty": torch.empty(0),
                "rng/torch": torch.get_rng_state()}
@@ -63,12 +56,15 @@ def test_rank_file_records_each_tensors_crc32(tmp_path):
     data = (tmp_path / "rank00000.safetensors").read_bytes()
     assert info == {"bytes": len(data), "crc32": zlib.crc32(data)}
     with safe_open(path, framework="pt") as f:
-        recorded = json.loads(f.metadata()[HEADER_CRC32])
         assert f.metadata()["shardtrain.rank"] == "0"
-        for name, value in tensors.items():
-            assert torch.equal(f.get_tensor(name), value)
-            raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            assert recorded[name] == zlib.crc32(raw), name
+        recorded = header_crc32s(path, f.metadata())
+        running = 0
+        for name in sorted(tensors):  # the file's order
+            assert torch.equal(f.get_tensor(name), tensors[name])
+            raw = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            before, after = recorded[name]
+            assert before == running and zlib.crc32(raw, before) == after, name
+            running = after
 
 
 def test_files_without_checksums_keep_their_metadata_as_given(tmp_path):
@@ -76,3 +72,28 @@ def test_files_without_checksums_keep_their_metadata_as_given(tmp_path):
     write_safetensors(path, {"w": torch.ones(2)}, {"format": "pt"})
     with safe_open(path, framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+def test_recorded_checksums_are_read_back_and_damaged_ones_refused():
+    assert header_crc32s("f", {HEADER_CRC32: json.dumps({"a": ["00000000", "0000002a"]})}) \
+        == {"a": (0, 42)}
+    assert header_crc32s("f", {"other": "1"}) is None  # saved before per-tensor checksums
+    for damaged in ["[1, 2]", '{"a": ["zzzzzzzz", "0"]}', '{"a": 5}', '{"a": ["0"]}', "{not"]:
+        with pytest.raises(Problem, match="is truncated or corrupted"):
+            header_crc32s("f", {HEADER_CRC32: damaged})
+
+
+@pytest.mark.parametrize("tensors", [{}, {'client/a "quoted" \\ key é': torch.ones(3)}],
+                         ids=["no-tensors", "names-json-escapes"])
+def test_checksums_of_unusual_files(tmp_path, tensors):
+    path = str(tmp_path / "f.safetensors")
+    info = write_safetensors(path, tensors, {"x": "{}"}, checksums=HEADER_CRC32)
+    data = (tmp_path / "f.safetensors").read_bytes()
+    assert info == {"bytes": len(data), "crc32": zlib.crc32(data)}
+    with safe_open(path, framework="pt") as f:
+        recorded = header_crc32s(path, f.metadata())
+        assert f.metadata()["x"] == "{}"
+        for name, value in tensors.items():
+            assert torch.equal(f.get_tensor(name), value)
+            assert recorded[name][1] == zlib.crc32(value.numpy().tobytes(), recorded[name][0])
+    assert set(recorded) == set(tensors)

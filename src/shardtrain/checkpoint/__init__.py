@@ -12,8 +12,8 @@ A checkpoint is a directory ``<save_dir>/<tag>/``:
   every trainable parameter (``param/<name>``), of its fp32 master in 16-bit modes
   (``master/<name>``) and of each per-element optimizer state (``optim/<name>/<key>``);
   rank 0 also holds frozen parameters and buffers whole. Plus RNG and client tensors. Its
-  header records the CRC32 of each tensor, so that a reader of a few tensors checks them
-  without reading the others.
+  header records a CRC32 checksum of each tensor, so that a reader of a few tensors checks
+  them without reading the others.
 * ``rank{r:05d}.json``: the rank's RNG states and the JSON part of its ``client_state``.
 * ``rank{r:05d}.client.pt``, only when ``client_state`` holds values JSON cannot (a trainer's
   whole state: nested tensors, sets, ``OrderedDict``s, ...): those keys, written by
@@ -38,7 +38,7 @@ How the modules divide the work:
   their shards, optimizer, scheduler, loss scaler, data loader, counters, precision, config).
 * ``_client_state``: the user's ``client_state``, split into JSON, tensors and pickled objects.
 * ``_manifest``: meta.json. ``_staging``: what each rank writes, checked before any write.
-* ``_safetensors_writer``: rank files written from the tensors' memory, with per-tensor CRC32s.
+* ``_safetensors_writer``: rank files written from the tensors' memory, with per-tensor checksums.
 * ``_saving``: the phases of a save and the atomic publication of the directory.
 * ``_reading``: the tag, meta.json, verified byte ranges of the rank files.
 * ``_loading``: what each rank reads and checks; ``_applying``: putting it into the engine.

@@ -12,8 +12,9 @@ checked against what every rank file recorded when it was written, in its safete
 * ``shardtrain.rank``, ``shardtrain.world_size``: who wrote the file, in which world;
 * ``shardtrain.ranges``: for each tensor, the ``[lo, hi)`` of the flattened parameter it holds,
   checked against the piece meta.json says the file holds before the piece is read;
-* ``shardtrain.crc32``: the CRC32 of each tensor's bytes (written by
-  :func:`._safetensors_writer.write_safetensors`, in the pass that computes the file's CRC32).
+* ``shardtrain.crc32``: each tensor's checksum, the running CRC32 of the data section before
+  and after its bytes (written by :func:`._safetensors_writer.write_safetensors`, in the pass
+  that computes the file's CRC32).
   A load checks whole files against meta.json; a reader that needs only some tensors (an
   export of the weights) checks each tensor it reads against this instead, so it never reads
   the optimizer states to verify the weights.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..zero._shards import shard_range
 from ._agreement import Problem, corrupted
@@ -88,18 +89,20 @@ def header_ranges(header: Optional[Dict[str, str]]) -> Optional[Dict[str, List[i
     return json.loads(header[HEADER_RANGES]) if header and HEADER_RANGES in header else None
 
 
-def header_crc32s(path: str, header: Optional[Dict[str, str]]) -> Optional[Dict[str, int]]:
-    """The CRC32 a rank file's header records for each tensor (None: saved before they
-    were recorded)."""
+def header_crc32s(path: str, header: Optional[Dict[str, str]]
+                  ) -> Optional[Dict[str, Tuple[int, int]]]:
+    """Each tensor's ``(before, after)`` running CRC32 of its file's data section, as the
+    header records it (None: saved before they were recorded); the tensor's bytes are intact
+    when ``zlib.crc32(bytes, before) == after`` (see :mod:`._safetensors_writer`)."""
     if not header or HEADER_CRC32 not in header:
         return None
     try:
-        crcs = json.loads(header[HEADER_CRC32])
-    except ValueError:
-        raise corrupted(path, f"its {HEADER_CRC32} is not JSON") from None
-    if not isinstance(crcs, dict) or not all(isinstance(v, int) for v in crcs.values()):
-        raise corrupted(path, f"its {HEADER_CRC32} is not an object of integers")
-    return crcs
+        recorded = json.loads(header[HEADER_CRC32])
+        return {name: (int(before, 16), int(after, 16))
+                for name, (before, after) in recorded.items()}
+    except (ValueError, TypeError, AttributeError):
+        raise corrupted(path, f"its {HEADER_CRC32} is not an object of [before, after] "
+                              "hex checksums") from None
 
 
 def check_range(path: str, ranges: Optional[Dict[str, List[int]]], key: str, lo: int,

@@ -7,8 +7,9 @@ meta.json records (:meth:`Reader.verify`), and every piece against the dtype and
 meta.json gives it, so a truncated or corrupted file is reported by name instead of loaded.
 
 A reader that needs a few tensors whole, one at a time (an export of the weights), streams
-them with :meth:`Reader.stream` instead: each piece is checked against the CRC32 its file's
-header recorded for that tensor, so verifying the weights never reads the optimizer states.
+them with :meth:`Reader.stream` instead: each piece is checked against the checksum its
+file's header recorded for that tensor, so verifying the weights never reads the optimizer
+states.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 import mmap
 import os
 import zlib
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -157,7 +158,7 @@ class Reader:
         self.keys: Dict[int, set] = {}
         self.headers: Dict[int, Optional[Dict[str, str]]] = {}
         self.ranges: Dict[int, Any] = {}
-        self.crc32s: Dict[int, Optional[Dict[str, int]]] = {}
+        self.crc32s: Dict[int, Optional[Dict[str, Tuple[int, int]]]] = {}
         self._digests: Optional[Dict[str, str]] = None
 
     def path(self, name: str) -> str:
@@ -260,7 +261,7 @@ class Reader:
         """Every element of ``key``'s flattened tensor, in order, as 1-D chunks of at most
         ``chunk_bytes``: views of the files' mapped memory, nothing copied.
 
-        Each piece is checked against the CRC32 its file's header recorded for ``key``
+        Each piece is checked against the checksum its file's header recorded for ``key``
         (:meth:`recorded_crc32`) once all of it has gone by, so the chunks of a corrupted
         piece are seen before the error: write them where a failure discards them.
         """
@@ -268,28 +269,29 @@ class Reader:
         step = max(1, chunk_bytes // dtype.itemsize)
         for rank, plo, phi in entry["pieces"]:
             piece = self._piece(rank, key, plo, phi, dtype)
-            expected, crc = self.recorded_crc32(rank, key), 0
+            recorded = self.recorded_crc32(rank, key)
+            crc = recorded[0] if recorded else 0
             for a in range(0, phi - plo, step):
                 chunk = piece[a: min(a + step, phi - plo)]
                 crc = zlib.crc32(tensor_bytes(chunk), crc)
                 yield chunk
-            if expected is not None and crc != expected:
+            if recorded is not None and crc != recorded[1]:
                 raise corrupted(self.path(rank_file(rank, "safetensors")),
                                 f"tensor {key!r} does not match the CRC32 recorded at the save")
 
-    def recorded_crc32(self, rank: int, key: str) -> Optional[int]:
-        """The CRC32 rank ``rank``'s file recorded for ``key``, once its header is known to
-        match meta.json. A file saved before per-tensor CRC32s is checked whole instead,
-        once, and gives None."""
+    def recorded_crc32(self, rank: int, key: str) -> Optional[Tuple[int, int]]:
+        """The ``(before, after)`` checksum rank ``rank``'s file recorded for ``key``, once
+        its header is known to match meta.json. A file saved before per-tensor checksums is
+        checked whole instead, once, and gives None."""
         name = rank_file(rank, "safetensors")
         if rank not in self.crc32s:
             self.check_manifest(rank)
             self.crc32s[rank] = header_crc32s(self.path(name), self.header(rank))
             if self.crc32s[rank] is None:
                 self.verify(name)
-        crcs = self.crc32s[rank]
-        if crcs is None:
+        recorded = self.crc32s[rank]
+        if recorded is None:
             return None
-        if key not in crcs:
+        if key not in recorded:
             raise corrupted(self.path(name), f"its header records no CRC32 for {key!r}")
-        return crcs[key]
+        return recorded[key]
