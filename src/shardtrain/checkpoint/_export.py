@@ -27,12 +27,14 @@ import os
 import re
 from typing import Any, BinaryIO, Dict, List, Optional, Union
 
+import torch
+
 from .._fileio import atomic_path, write_synced
 from ..log import logger
-from ._agreement import as_plain_errors
+from ._agreement import as_plain_errors, corrupted
 from ._consolidation import DTYPES, check_dtype
 from ._export_plan import CONFIG, INDEX, Plan, Planned, plan_export, shard_size_bytes
-from ._format import tensor_bytes
+from ._format import META, tensor_bytes
 from ._reading import Reader, read_meta, tag_dir_of
 from ._safetensors_writer import header_bytes
 
@@ -81,7 +83,7 @@ def export_pretrained(checkpoint_dir: str, out_dir: str, max_shard_size: Union[i
     limit = shard_size_bytes(max_shard_size)
     tag_dir = tag_dir_of(os.fspath(checkpoint_dir), tag)
     meta = as_plain_errors(read_meta, tag_dir)
-    plan = as_plain_errors(plan_export, meta, DTYPES.get(dtype) if dtype else None, limit)
+    plan = as_plain_errors(_plan, tag_dir, meta, DTYPES.get(dtype) if dtype else None, limit)
     if meta.get("excluded_frozen"):
         logger.warning("export: %s saved the model without its frozen parameters %s; "
                        "from_pretrained will initialise them afresh.", tag_dir,
@@ -90,6 +92,13 @@ def export_pretrained(checkpoint_dir: str, out_dir: str, max_shard_size: Union[i
     written = as_plain_errors(_write_files, tag_dir, meta, plan, out_dir)
     _remove_stale(out_dir, {os.path.basename(p) for p in written})
     return written
+
+
+def _plan(tag_dir: str, meta: Dict[str, Any], dtype: Optional[torch.dtype], limit: int) -> Plan:
+    try:
+        return plan_export(meta, dtype, limit)
+    except (KeyError, TypeError) as error:  # a field read_meta does not check
+        raise corrupted(os.path.join(tag_dir, META), f"unexpected layout: {error!r}") from None
 
 
 def _output_directory(out_dir: str) -> str:
