@@ -1,9 +1,9 @@
 """Full weights at stage 3 in bounded memory, and asynchronous checkpoint saves, on every rank.
 
 ``bounded_saves``: a model of eight equal layers at ZeRO stage 3 (every weight partitioned);
-each way of getting its full weights is checked against the weights and measured two ways:
-the most parameter bytes gathered at once (observed at every collective) and the growth of
-the process's resident memory (``shardtrain.memory.peak_memory``).
+each way of getting its full weights is checked against the weights and measured: the most
+parameter bytes gathered at once (observed at every collective), and the growth of the
+process's resident memory (``shardtrain.memory.peak_memory``, reported only).
 
 ``async_saves``: a synchronous and an asynchronous save of the same state must write the same
 files, training must go on while the asynchronous one writes, and a load of it must resume

@@ -12,9 +12,9 @@ import contextlib
 import os
 import uuid
 import zlib
-from typing import Dict, Iterator, Union
+from typing import BinaryIO, Dict, Iterator, Union
 
-__all__ = ["atomic_path", "write_synced", "fsync_dir", "temporary_name"]
+__all__ = ["atomic_path", "synced_file", "write_synced", "fsync_dir", "temporary_name"]
 
 Blob = Union[bytes, bytearray, memoryview]
 
@@ -48,18 +48,27 @@ def atomic_path(path: "Union[str, os.PathLike[str]]") -> Iterator[str]:
     fsync_dir(directory)
 
 
+@contextlib.contextmanager
+def synced_file(path: str) -> Iterator[BinaryIO]:
+    """Yields ``path`` opened for writing (truncated); flushed and fsync'ed when the block
+    ends without an error. Not atomic by itself: callers write into a temporary name or
+    directory first."""
+    with open(path, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_synced(path: str, *blobs: Blob) -> Dict[str, int]:
     """Writes the buffers one after the other and fsyncs; returns ``{"bytes", "crc32"}``.
 
     Not atomic by itself: callers write into a temporary name or directory first.
     """
     crc, size = 0, 0
-    with open(path, "wb") as f:
+    with synced_file(path) as f:
         for blob in blobs:
             f.write(blob)
             crc, size = zlib.crc32(blob, crc), size + len(blob)
-        f.flush()
-        os.fsync(f.fileno())
     return {"bytes": size, "crc32": crc}
 
 

@@ -16,13 +16,20 @@ import torch
 
 from .._fileio import atomic_path
 from ._agreement import as_plain_errors, corrupted
-from ._format import LATEST, META
-from ._reading import Reader, entry_for, module_key, read_meta, resolve
+from ._format import META
+from ._reading import Reader, entry_for, module_key, read_meta, tag_dir_of
 from ._safetensors_writer import write_safetensors
 
-__all__ = ["consolidate", "full_weights"]
+__all__ = ["consolidate", "full_weights", "DTYPES", "check_dtype"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_dtype(dtype: Optional[str]) -> None:
+    """``dtype`` is None or one of :data:`DTYPES`' names."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of None, "
+                         f"{', '.join(repr(k) for k in DTYPES)}.")
 
 
 def consolidate(checkpoint_dir: str, out_path: str, tag: Optional[str] = None,
@@ -70,10 +77,8 @@ def full_weights(checkpoint_dir: str, tag: Optional[str] = None, dtype: Optional
     Example:
         >>> model.load_state_dict(full_weights("checkpoints", dtype="fp32"))
     """
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of None, "
-                         f"{', '.join(repr(k) for k in _DTYPES)}.")
-    tag_dir = _source(os.fspath(checkpoint_dir), tag)
+    check_dtype(dtype)
+    tag_dir = tag_dir_of(os.fspath(checkpoint_dir), tag)
     meta = as_plain_errors(read_meta, tag_dir)
     weights = as_plain_errors(_read_weights, tag_dir, meta, dtype)
     if exclude_frozen_parameters:
@@ -81,17 +86,6 @@ def full_weights(checkpoint_dir: str, tag: Optional[str] = None, dtype: Optional
         weights = {k: v for k, v in weights.items()
                    if k not in frozen and meta.get("aliases", {}).get(k) not in frozen}
     return weights
-
-
-def _source(checkpoint_dir: str, tag: Optional[str]) -> str:
-    """The tag directory: ``checkpoint_dir`` itself when it is one, else the tag in it."""
-    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, META)):
-        return checkpoint_dir  # a tag directory itself
-    tag_dir = as_plain_errors(resolve, checkpoint_dir, tag)
-    if tag_dir is None:
-        raise FileNotFoundError(f"{os.path.join(checkpoint_dir, LATEST)} is missing: pass tag= "
-                                "to choose the checkpoint to consolidate.")
-    return tag_dir
 
 
 def _read_weights(tag_dir: str, meta: Dict[str, Any],
@@ -103,7 +97,7 @@ def _read_weights(tag_dir: str, meta: Dict[str, Any],
             if name.endswith(".safetensors"):
                 reader.verify(name)  # every file is read in full anyway
         try:
-            out = _read_tensors(reader, meta, _DTYPES.get(dtype) if dtype else None)
+            out = _read_tensors(reader, meta, DTYPES.get(dtype) if dtype else None)
         except (KeyError, TypeError, IndexError) as error:
             raise corrupted(reader.path(META), f"unexpected layout: {error!r}") from None
     for alias, target in meta.get("aliases", {}).items():

@@ -12,12 +12,14 @@ file holds; any other range is gathered (a collective: every rank asks for it).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import comm
+from ..log import logger
 from ..state import TrainingParts
 from ..zero._params import GatheredParameters, is_partitioned
 from ..zero._shards import shard_range
@@ -28,7 +30,8 @@ __all__ = [
     "Trainable", "shape", "numel", "own_shard", "param_range", "set_param", "set_shard",
     "named_params", "named_buffers", "trainables", "aliases", "any_partitioned",
     "zero_stage", "check_stage", "async_save", "global_steps", "counters", "restore_counters",
-    "tag_validation", "config_dict", "precision", "optimizer", "lr_scheduler", "loss_scaler",
+    "tag_validation", "config_dict", "model_config", "precision", "optimizer", "lr_scheduler",
+    "loss_scaler",
     "data_loader", "device_rng"]
 
 
@@ -157,6 +160,25 @@ def tag_validation(parts: TrainingParts) -> str:
 
 def config_dict(parts: TrainingParts) -> Dict[str, Any]:
     return parts.config.to_dict()
+
+
+def model_config(parts: TrainingParts) -> Optional[Dict[str, Any]]:
+    """The model's own configuration, as ``save_pretrained`` writes it to config.json: the
+    ``config.to_dict()`` of a Hugging Face model (a ``PretrainedConfig``), with
+    ``architectures`` naming the model's class. None for a model without ``config.to_dict``,
+    or (with a warning) one whose configuration JSON cannot hold."""
+    to_dict = getattr(getattr(parts.module, "config", None), "to_dict", None)
+    config = to_dict() if callable(to_dict) else None
+    if not isinstance(config, dict):
+        return None
+    config = dict(config, architectures=[type(parts.module).__name__])
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError) as error:
+        logger.warning("save_checkpoint: the model's config.to_dict() is not JSON (%s); the "
+                       "checkpoint does not record it, and an export of it writes no "
+                       "config.json.", error)
+        return None
 
 
 def precision(parts: TrainingParts) -> Dict[str, Any]:

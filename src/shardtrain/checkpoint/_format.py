@@ -16,8 +16,8 @@ import torch
 from ._agreement import Problem
 
 __all__ = ["FORMAT_VERSION", "FORMAT", "META", "LATEST", "TMP", "REPLACED", "Piece",
-           "ST_DTYPES", "ST_NAMES", "rank_file", "dtype_name", "dtype_from", "encode",
-           "encode_dict", "decode"]
+           "ST_DTYPES", "ST_NAMES", "rank_file", "dtype_name", "dtype_from", "tensor_bytes",
+           "encode", "encode_dict", "decode"]
 
 FORMAT_VERSION = 2  # 2: rank files record the digests of meta.json's fields and their ranges
 FORMAT = "shardtrain-checkpoint"
@@ -49,6 +49,13 @@ def dtype_from(name: Any, where: str) -> torch.dtype:
         raise Problem(ValueError, f"{where} names an unknown dtype {name!r}: the checkpoint is "
                                   "corrupted or from a newer shardtrain.")
     return dtype
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes safetensors stores for ``t``: little-endian (every platform torch supports
+    is), C order; a view of the tensor's memory when it is a contiguous CPU tensor."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def encode(value: Any, what: str) -> Any:

@@ -11,7 +11,13 @@ checked against what every rank file recorded when it was written, in its safete
   error names the field;
 * ``shardtrain.rank``, ``shardtrain.world_size``: who wrote the file, in which world;
 * ``shardtrain.ranges``: for each tensor, the ``[lo, hi)`` of the flattened parameter it holds,
-  checked against the piece meta.json says the file holds before the piece is read.
+  checked against the piece meta.json says the file holds before the piece is read;
+* ``shardtrain.crc32``: each tensor's checksum, the running CRC32 of the data section before
+  and after its bytes (written by :func:`._safetensors_writer.write_safetensors`, in the pass
+  that computes the file's CRC32).
+  A load checks whole files against meta.json; a reader that needs only some tensors (an
+  export of the weights) checks each tensor it reads against this instead, so it never reads
+  the optimizer states to verify the weights.
 
 meta.json's own layout is checked first (:func:`check_layout`): element counts against
 shapes, and every piece against the even sharding the save uses, so a swapped or resized
@@ -25,20 +31,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..zero._shards import shard_range
 from ._agreement import Problem, corrupted
 from ._paths import RANK_FILE
 
 __all__ = ["manifest_digests", "header_metadata", "check_header", "header_ranges",
-           "check_range", "check_layout", "HEADER_MANIFEST"]
+           "header_crc32s", "check_range", "check_layout", "HEADER_MANIFEST", "HEADER_CRC32"]
 
 HEADER_FORMAT = "shardtrain.format"
 HEADER_RANK = "shardtrain.rank"
 HEADER_WORLD = "shardtrain.world_size"
 HEADER_RANGES = "shardtrain.ranges"
 HEADER_MANIFEST = "shardtrain.manifest"
+HEADER_CRC32 = "shardtrain.crc32"
 
 
 def manifest_digests(meta: Mapping[str, Any]) -> Dict[str, str]:
@@ -80,6 +87,22 @@ def check_header(path: str, meta_path: str, header: Optional[Dict[str, str]],
 def header_ranges(header: Optional[Dict[str, str]]) -> Optional[Dict[str, List[int]]]:
     """The ``[lo, hi)`` a rank file's header records for each tensor (None: format 1)."""
     return json.loads(header[HEADER_RANGES]) if header and HEADER_RANGES in header else None
+
+
+def header_crc32s(path: str, header: Optional[Dict[str, str]]
+                  ) -> Optional[Dict[str, Tuple[int, int]]]:
+    """Each tensor's ``(before, after)`` running CRC32 of its file's data section, as the
+    header records it (None: saved before they were recorded); the tensor's bytes are intact
+    when ``zlib.crc32(bytes, before) == after`` (see :mod:`._safetensors_writer`)."""
+    if not header or HEADER_CRC32 not in header:
+        return None
+    try:
+        recorded = json.loads(header[HEADER_CRC32])
+        return {name: (int(before, 16), int(after, 16))
+                for name, (before, after) in recorded.items()}
+    except (ValueError, TypeError, AttributeError):
+        raise corrupted(path, f"its {HEADER_CRC32} is not an object of [before, after] "
+                              "hex checksums") from None
 
 
 def check_range(path: str, ranges: Optional[Dict[str, List[int]]], key: str, lo: int,

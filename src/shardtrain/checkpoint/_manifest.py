@@ -1,11 +1,13 @@
 """meta.json: the description of a checkpoint that every reader starts from.
 
 Rank 0 writes it, last, from what it sees of the parts: everything but the tensors (format,
-world size, stage, precision, config, counters, the optimizer's hyperparameters and scalar
-states, the scheduler, the loss scaler, the data position), and for every tensor its shape,
-dtype and the pieces of its flattened elements each rank file holds. Rank 0 holds a non-empty
-slice of every parameter, so it sees every parameter's scalar optimizer states (Adam's
-``step``). The sizes and CRC32s of the other files are added once every rank has written them.
+world size, stage, precision, config, the model's own configuration when it has one (a
+Hugging Face ``config``: the export writes it as config.json), counters, the optimizer's
+hyperparameters and scalar states, the scheduler, the loss scaler, the data position), and
+for every tensor its shape, dtype and the pieces of its flattened elements each rank file
+holds. Rank 0 holds a non-empty slice of every parameter, so it sees every parameter's scalar
+optimizer states (Adam's ``step``). The sizes and CRC32s of the other files are added once
+every rank has written them.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def describe(parts: TrainingParts, trainables: Dict[str, Trainable],
     return {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world,
             "zero_stage": engine_state.zero_stage(parts),
             "precision": engine_state.precision(parts), "config": engine_state.config_dict(parts),
+            "model_config": engine_state.model_config(parts),
             "counters": engine_state.counters(parts), "params": params, "buffers": buffers,
             "aliases": engine_state.aliases(parts), "excluded_frozen": excluded,
             "optimizer": _optimizer_meta(parts), "lr_scheduler": _scheduler_meta(parts),

@@ -5,6 +5,11 @@ that overlap them (``safe_open(...).get_slice(...)``), so loading on another wor
 stage reads no more than it keeps. Every file is checked against the size and CRC32 that
 meta.json records (:meth:`Reader.verify`), and every piece against the dtype and shape
 meta.json gives it, so a truncated or corrupted file is reported by name instead of loaded.
+
+A reader that needs a few tensors whole, one at a time (an export of the weights), streams
+them with :meth:`Reader.stream` instead: each piece is checked against the checksum its
+file's header recorded for that tensor, so verifying the weights never reads the optimizer
+states.
 """
 from __future__ import annotations
 
@@ -13,19 +18,21 @@ import json
 import mmap
 import os
 import zlib
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ..log import logger
-from ._agreement import Problem, corrupted, missing
-from ._format import (FORMAT, FORMAT_VERSION, META, REPLACED, ST_DTYPES, TMP, dtype_from,
-                      dtype_name, rank_file)
-from ._integrity import check_header, check_layout, check_range, header_ranges, manifest_digests
+from ._agreement import Problem, as_plain_errors, corrupted, missing
+from ._format import (FORMAT, FORMAT_VERSION, LATEST, META, REPLACED, ST_DTYPES, TMP, dtype_from,
+                      dtype_name, rank_file, tensor_bytes)
+from ._integrity import (check_header, check_layout, check_range, header_crc32s, header_ranges,
+                         manifest_digests)
 from ._paths import RANK_FILE, check_tag, inside, read_latest, regular_file
 
-__all__ = ["Reader", "resolve", "read_json", "read_meta", "module_key", "entry_for"]
+__all__ = ["Reader", "resolve", "tag_dir_of", "read_json", "read_meta", "module_key",
+           "entry_for"]
 
 
 def resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
@@ -52,6 +59,19 @@ def resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
                   and os.path.isfile(os.path.join(load_dir, e, META)))
     raise Problem(FileNotFoundError, f"checkpoint tag {str(tag)!r} not found in {load_dir!r} "
                                      f"(tags there: {tags or 'none'}).")
+
+
+def tag_dir_of(checkpoint_dir: str, tag: Optional[str]) -> str:
+    """The tag directory a one-process reader (consolidation, export) reads:
+    ``checkpoint_dir`` itself when it is one, else ``tag`` (or the one ``latest`` names) in
+    it. Raises plain exceptions (no process group)."""
+    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, META)):
+        return checkpoint_dir  # a tag directory itself
+    tag_dir = as_plain_errors(resolve, checkpoint_dir, tag)
+    if tag_dir is None:
+        raise FileNotFoundError(f"{os.path.join(checkpoint_dir, LATEST)} is missing: pass tag= "
+                                "to choose the checkpoint to consolidate.")
+    return tag_dir
 
 
 def _inside_dir(path: str, root: str) -> str:
@@ -138,6 +158,7 @@ class Reader:
         self.keys: Dict[int, set] = {}
         self.headers: Dict[int, Optional[Dict[str, str]]] = {}
         self.ranges: Dict[int, Any] = {}
+        self.crc32s: Dict[int, Optional[Dict[str, Tuple[int, int]]]] = {}
         self._digests: Optional[Dict[str, str]] = None
 
     def path(self, name: str) -> str:
@@ -235,3 +256,42 @@ class Reader:
             self.ranges[rank] = header_ranges(self.header(rank))
         check_range(path, self.ranges[rank], key, plo, phi)
         return piece
+
+    def stream(self, key: str, entry: Dict[str, Any], chunk_bytes: int) -> Iterator[torch.Tensor]:
+        """Every element of ``key``'s flattened tensor, in order, as 1-D chunks of at most
+        ``chunk_bytes``: views of the files' mapped memory, nothing copied.
+
+        Each piece is checked against the checksum its file's header recorded for ``key``
+        (:meth:`recorded_crc32`) once all of it has gone by, so the chunks of a corrupted
+        piece are seen before the error: write them where a failure discards them.
+        """
+        dtype = dtype_from(entry["dtype"], f"meta.json entry {key!r}")
+        step = max(1, chunk_bytes // dtype.itemsize)
+        for rank, plo, phi in entry["pieces"]:
+            piece = self._piece(rank, key, plo, phi, dtype)
+            recorded = self.recorded_crc32(rank, key)
+            crc = recorded[0] if recorded else 0
+            for a in range(0, phi - plo, step):
+                chunk = piece[a: min(a + step, phi - plo)]
+                crc = zlib.crc32(tensor_bytes(chunk), crc)
+                yield chunk
+            if recorded is not None and crc != recorded[1]:
+                raise corrupted(self.path(rank_file(rank, "safetensors")),
+                                f"tensor {key!r} does not match the CRC32 recorded at the save")
+
+    def recorded_crc32(self, rank: int, key: str) -> Optional[Tuple[int, int]]:
+        """The ``(before, after)`` checksum rank ``rank``'s file recorded for ``key``, once
+        its header is known to match meta.json. A file saved before per-tensor checksums is
+        checked whole instead, once, and gives None."""
+        name = rank_file(rank, "safetensors")
+        if rank not in self.crc32s:
+            self.check_manifest(rank)
+            self.crc32s[rank] = header_crc32s(self.path(name), self.header(rank))
+            if self.crc32s[rank] is None:
+                self.verify(name)
+        recorded = self.crc32s[rank]
+        if recorded is None:
+            return None
+        if key not in recorded:
+            raise corrupted(self.path(name), f"its header records no CRC32 for {key!r}")
+        return recorded[key]

@@ -3,7 +3,8 @@
 1. Every rank stages its part (:mod:`._staging`), where anything that can refuse does;
    rank 0 creates ``<tag>.tmp-<id>/`` (the id is gathered from rank 0, which also makes this a
    barrier; stale ``<tag>.tmp-*`` from killed saves of the tag are removed).
-2. Every rank writes its files there, each fsync'ed, and reports their sizes and CRC32s.
+2. Every rank writes its files there, each fsync'ed, and reports their sizes and CRC32s
+   (its safetensors header records the CRC32 of each tensor too).
 3. Rank 0 writes meta.json, renames the directory to ``<tag>`` (a re-save first moves the old
    one aside as ``<tag>.replaced-<id>``), then replaces ``latest``. A last gather tells every
    rank that the save is complete.
@@ -32,7 +33,7 @@ from . import _background as background
 from . import _engine_state as engine_state
 from ._agreement import Problem, agree, capture
 from ._format import LATEST, META, REPLACED, TMP, rank_file
-from ._integrity import header_metadata, manifest_digests
+from ._integrity import HEADER_CRC32, header_metadata, manifest_digests
 from ._paths import is_plain_tag
 from ._safetensors_writer import write_safetensors
 from ._staging import Staged, stage_rank
@@ -185,7 +186,7 @@ def _write_rank(tmp: str, staged: Staged, digests: Dict[str, str]) -> Files:
     tensors_name = rank_file(staged.rank, "safetensors")
     header = header_metadata(staged.rank, comm.get_world_size(), staged.ranges, digests)
     infos = {tensors_name: write_safetensors(os.path.join(tmp, tensors_name), staged.tensors,
-                                             header)}
+                                             header, checksums=HEADER_CRC32)}
     _fault("after_file")
     json_name = rank_file(staged.rank, "json")
     infos[json_name] = write_synced(os.path.join(tmp, json_name),

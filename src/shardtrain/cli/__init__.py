@@ -9,7 +9,8 @@ module owns its command's options, examples and work, and registers itself with
   which stays outside this package because they run it by that module name;
 * ``_estimate``: ``shardtrain estimate``, model-state memory per rank for ZeRO stages 0-3;
 * ``_info``: ``shardtrain info``, what a bug report needs;
-* ``_consolidate``: ``shardtrain consolidate``, a checkpoint's full weights in one file;
+* ``_consolidate``: ``shardtrain consolidate``, a checkpoint's full weights in one file or
+  in the Hugging Face layout;
 * ``_import_deepspeed``: ``shardtrain import-deepspeed``, a DeepSpeed checkpoint converted;
 * ``_autotune``: ``shardtrain autotune`` over :func:`shardtrain.autotune.autotune`;
 * ``_plot``: ``shardtrain plot`` over :func:`shardtrain.telemetry.plot_run`;
@@ -97,7 +98,8 @@ commands:
   run        start a training script on N processes and M machines (through torchrun)
   estimate   model-state memory per rank for ZeRO stages 0-3, from a model built on 'meta'
   info       torch, backends, devices and launcher environment, for bug reports
-  consolidate  full weights of a checkpoint (any world size, any stage) in one file
+  consolidate  full weights of a checkpoint (any world size, any stage): one file, or a
+               directory that from_pretrained loads
   import-deepspeed  convert a DeepSpeed checkpoint (ZeRO 0-3, universal) into a shardtrain one
   autotune   largest micro-batch that fits a memory budget per ZeRO stage, fastest config
   plot       PNG plots of loss, learning rate, throughput and memory from monitor files
@@ -109,6 +111,7 @@ examples:
   shardtrain info
   shardtrain consolidate checkpoints/ model.safetensors
   shardtrain import-deepspeed ds_checkpoints/ checkpoints/
+  shardtrain consolidate checkpoints/ hf-model/ --max-shard-size 5GB
   shardtrain autotune train.py --config train.json --memory-budget 20GiB --stages 0,2,3
   shardtrain plot runs/demo
   shardtrain deepspeed-alias install
