@@ -6,9 +6,9 @@ stage 3 on ``--world`` CPU processes, so each rank holds 1/world of it. Then, in
 * ``save_16bit_model`` (full weights, streamed from rank 0), ``save_checkpoint``
   (synchronous, then asynchronous), ``load_checkpoint``, ``load_pretrained`` of the saved
   weights and, when available, the Hugging Face export of the checkpoint: for each, the time
-  (between barriers: the slowest rank counts) and, per rank, the peak growth of resident host
-  memory and of device memory (``shardtrain.memory.peak_memory``), next to the model-state
-  bytes the rank holds;
+  (between barriers: the slowest rank counts) and, per rank, the peak growth of anonymous
+  host memory and of device memory (``shardtrain.memory.peak_memory``), next to the
+  model-state bytes the rank holds;
 * the asynchronous save: how long ``save_checkpoint`` blocks, how long the same training steps
   take with the save in flight and without, so the training time it hides is visible;
 * ``torch.distributed.checkpoint`` (``dcp.save``/``dcp.load``) of the same model sharded by

@@ -50,11 +50,12 @@ def zero_formula_bytes(num_params: int, world_size: int, stage: int, param_bytes
 
 
 @contextlib.contextmanager
-def peak_memory() -> Iterator[Dict[str, Optional[int]]]:
+def peak_memory(interval: float = 0.0005) -> Iterator[Dict[str, Optional[int]]]:
     """Measures how far the block raised this process's memory above its level at the start:
-    ``host``, the peak resident memory (Linux: the kernel's high-water mark, reset at the
-    start; None where it cannot be read), and ``device``, CUDA's peak of allocated bytes (0
-    without CUDA). The dict is filled when the block ends.
+    ``host``, the peak of anonymous resident memory (Linux's ``RssAnon``, sampled every
+    ``interval`` seconds by a thread: file pages a read maps in are the page cache's, not the
+    process's, and are not counted; None where it cannot be read), and ``device``, CUDA's peak
+    of allocated bytes (0 without CUDA). The dict is filled when the block ends.
 
     Example:
         >>> with peak_memory() as peak:
@@ -62,34 +63,47 @@ def peak_memory() -> Iterator[Dict[str, Optional[int]]]:
         >>> peak["host"], peak["device"]
     """
     result: Dict[str, Optional[int]] = {}
-    host_start = _reset_resident_peak()
+    start = _anonymous()
     device_start = accelerator.memory_stats().get("allocated", 0)
     accelerator.reset_peak_memory()
-    yield result
-    peak = _resident("VmHWM")
-    result["host"] = None if host_start is None or peak is None else max(peak - host_start, 0)
-    result["device"] = max(accelerator.memory_stats().get("peak", device_start) - device_start, 0)
+    sampler = _Sampler(interval) if start is not None else None
+    try:
+        yield result
+    finally:
+        top = sampler.stop() if sampler is not None else None
+        result["host"] = None if top is None else max(top - start, 0)
+        result["device"] = max(accelerator.memory_stats().get("peak", device_start) - device_start, 0)
 
 
-def _resident(field: str) -> Optional[int]:
+def _anonymous() -> Optional[int]:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
+                if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
 
 
-def _reset_resident_peak() -> Optional[int]:
-    """Resets the high-water mark to the current resident memory; returns that."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _resident("VmRSS")
+class _Sampler:
+    """The largest :func:`_anonymous` seen by a thread polling it until :meth:`stop`."""
+
+    def __init__(self, interval: float):
+        import threading
+        self.top, self._interval = _anonymous() or 0, interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.wait(self._interval):
+            self.top = max(self.top, _anonymous() or 0)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.top, _anonymous() or 0)
 
 
 def write_weights(state: Dict[str, torch.Tensor], path: str) -> None:
