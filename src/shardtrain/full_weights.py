@@ -20,27 +20,20 @@ Example:
 """
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
 from . import comm
 from ._fileio import atomic_path, fsync_dir
+from ._safetensors import Layout, header_bytes, tensor_bytes
 from .memory import write_weights
 from .zero._params import GatheredParameters, is_partitioned
 
 __all__ = ["iter_full_weights", "save_full_weights", "full_state_dict"]
 
 Entry = Tuple[List[str], torch.Tensor]  # the state_dict names of one tensor, and the tensor
-
-_ST_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-             torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
 
 def _entries(module: torch.nn.Module, exclude: Set[str]) -> List[Entry]:
     """Every distinct tensor of ``module.state_dict()`` with all of its names (tied weights
@@ -116,7 +109,7 @@ def save_full_weights(module: torch.nn.Module, path: str, exclude: Iterable[str]
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _plan(module: torch.nn.Module, entries: List[Entry]) -> List[Tuple[str, torch.dtype, List[int]]]:
+def _plan(module: torch.nn.Module, entries: List[Entry]) -> Layout:
     """Every name's dtype and full shape, in the order :func:`iter_full_weights` yields."""
     plan = []
     for group in _by_module(module, entries):
@@ -127,36 +120,22 @@ def _plan(module: torch.nn.Module, entries: List[Entry]) -> List[Tuple[str, torc
 
 
 class _SafetensorsStream:
-    """A safetensors file whose tensors arrive one by one, in the order of ``plan``.
+    """A safetensors file whose tensors arrive one by one, in the order of ``plan``: the
+    header is written first from the plan; each :meth:`write` appends one tensor's bytes
+    after checking it is the next one planned, with the planned dtype and shape."""
 
-    The header (an 8-byte length, then JSON with each name's dtype, shape and byte range) is
-    written first from the plan; each :meth:`write` appends one tensor's bytes after checking
-    it is the next one planned, with the planned dtype and shape.
-    """
-
-    def __init__(self, f, plan: List[Tuple[str, torch.dtype, List[int]]],
-                 metadata: Optional[Dict[str, str]] = None):
-        self.f, self.plan, self.next = f, plan, 0
-        header: Dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
-        offset = 0
-        for name, dtype, shape in plan:
-            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_CODES[dtype], "shape": shape,
-                            "data_offsets": [offset, offset + size]}
-            offset += size
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-        f.write(struct.pack("<Q", len(head)) + head)
+    def __init__(self, f, plan: Layout, metadata: Optional[Dict[str, str]] = None):
+        self.f, self.plan, self.next = f, list(plan), 0
+        f.write(header_bytes(self.plan, metadata or {"format": "pt"}))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         planned, dtype, shape = self.plan[self.next]
-        if (name, tensor.dtype, list(tensor.shape)) != (planned, dtype, shape):
+        if (name, tensor.dtype, list(tensor.shape)) != (planned, dtype, list(shape)):
             raise RuntimeError(f"safetensors stream: got {name!r} {tensor.dtype} {list(tensor.shape)}, "
-                               f"expected {planned!r} {dtype} {shape}")
+                               f"expected {planned!r} {dtype} {list(shape)}")
         # A copy: numpy must not see the gathered storage itself, which is resized away on
         # release (torch refuses to resize a storage numpy has seen).
-        flat = tensor.detach().to("cpu", copy=True).reshape(-1)
-        self.f.write(memoryview(flat.view(torch.uint8).numpy()))
+        self.f.write(tensor_bytes(tensor.detach().to("cpu", copy=True)))
         self.next += 1
 
     def finish(self) -> None:

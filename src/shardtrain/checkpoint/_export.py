@@ -34,9 +34,9 @@ from ..log import logger
 from ._agreement import as_plain_errors, corrupted
 from ._consolidation import DTYPES, check_dtype
 from ._export_plan import CONFIG, INDEX, Plan, Planned, plan_export, shard_size_bytes
-from ._format import META, tensor_bytes
+from .._safetensors import header_bytes, tensor_bytes
+from ._format import META
 from ._reading import Reader, read_meta, tag_dir_of
-from ._safetensors_writer import header_bytes
 
 __all__ = ["export_pretrained", "CHUNK_BYTES"]
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 import torch
 
+from .._safetensors import ST_DTYPES, ST_NAMES, tensor_bytes
 from ._agreement import Problem
 
 __all__ = ["FORMAT_VERSION", "FORMAT", "META", "LATEST", "TMP", "REPLACED", "Piece",
@@ -28,11 +29,6 @@ REPLACED = ".replaced-"  # <tag>.replaced-<id>: the old <tag> while a re-save sw
 
 Piece = Tuple[int, int, int]  # (rank, lo, hi): rank file ``rank`` holds elements [lo, hi)
 
-# safetensors' dtype codes, for the headers the writer makes and the slices the reader checks
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-             "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-             "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 
 
 def rank_file(rank: int, ext: str) -> str:
@@ -49,13 +45,6 @@ def dtype_from(name: Any, where: str) -> torch.dtype:
         raise Problem(ValueError, f"{where} names an unknown dtype {name!r}: the checkpoint is "
                                   "corrupted or from a newer shardtrain.")
     return dtype
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes safetensors stores for ``t``: little-endian (every platform torch supports
-    is), C order; a view of the tensor's memory when it is a contiguous CPU tensor."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def encode(value: Any, what: str) -> Any:

@@ -17,42 +17,22 @@ written as fixed-width hex, so the header goes in first with placeholders, the d
 (each tensor's CRC32 computed right after its bytes are written, while they are still in the
 CPU's caches, as before), and the checksums last, over their placeholders. The file's CRC32
 is that of the header continued by the data's, one :func:`shardtrain._crc32.crc32_combine`.
-:func:`header_bytes` is shared with the export's shard writer, which streams its tensors
-after the header instead of holding them.
+The header itself is :func:`shardtrain._safetensors.header_bytes`, which the export's shard
+writer and the full-weights writer share.
 """
 from __future__ import annotations
 
 import json
-import math
-import struct
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from .._crc32 import crc32_combine
 from .._fileio import synced_file, write_synced
-from ._format import ST_NAMES, tensor_bytes
+from .._safetensors import Layout, header_bytes, tensor_bytes
 
-__all__ = ["write_safetensors", "header_bytes"]
-
-Layout = Sequence[Tuple[str, torch.dtype, Sequence[int]]]  # (name, dtype, shape), file order
-
-
-def header_bytes(layout: Layout, metadata: Optional[Dict[str, str]] = None) -> bytes:
-    """The 8-byte length and the JSON header of a safetensors file whose tensors follow in
-    ``layout``'s order, back to back."""
-    header: Dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, dtype, shape in layout:
-        size = math.prod(int(d) for d in shape) * dtype.itemsize
-        header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return struct.pack("<Q", len(head)) + head
-
+__all__ = ["write_safetensors"]
 
 def write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
                       metadata: Optional[Dict[str, str]] = None,
