@@ -27,9 +27,10 @@ __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
     "get_local_rank", "get_local_world_size", "get_backend", "available_backends", "barrier",
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
-    "scatter",
+    "scatter", "all_to_all_single",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
-    "LaunchEnv", "detect_launch_env", "SideGroup", "side_group", "before_destroy",
+    "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
+    "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
 ]
 
 logger = logging.getLogger("shardtrain")
@@ -190,12 +191,20 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
+def get_rank(group: Optional["Group"] = None) -> int:
+    """This process's rank in ``group`` (default: the world)."""
+    if not is_initialized():
+        return 0
+    return dist.get_rank(group.handle) if group is not None and group.handle is not None \
+        else dist.get_rank()
 
 
-def get_world_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
+def get_world_size(group: Optional["Group"] = None) -> int:
+    """Ranks in ``group`` (default: the world)."""
+    if not is_initialized():
+        return 1
+    return dist.get_world_size(group.handle) if group is not None and group.handle is not None \
+        else dist.get_world_size()
 
 
 def get_local_rank() -> int:
@@ -227,9 +236,9 @@ def available_backends() -> dict:
     return {name: bool(getattr(dist, fn)()) for name, fn in checks.items() if hasattr(dist, fn)}
 
 
-def barrier() -> None:
-    if get_world_size() > 1:
-        dist.barrier()
+def barrier(group: Optional["Group"] = None) -> None:
+    if get_world_size(group) > 1:
+        dist.barrier(group=_handle(group))
 
 
 class Work:
@@ -279,29 +288,33 @@ def _reduce_op(op) -> "dist.ReduceOp":
                      "or the matching comm.ReduceOp.")
 
 
-def _check_group(group) -> None:
-    if group is not None and group is not dist.group.WORLD:
-        raise ValueError("shardtrain's collectives run on the world group only; pass group=None.")
+def _handle(group: Optional["Group"]):
+    if group is None or isinstance(group, Group):
+        return group.handle if group is not None else None
+    if group is dist.group.WORLD:
+        return None
+    raise TypeError(f"group must be a shardtrain.comm.Group (from a Mesh or side_group()), got "
+                    f"{type(group).__name__}.")
 
 
-def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False) -> Work:
-    """Reduces ``tensor`` in place across ranks: ``op`` is ``"sum"`` (default), ``"max"``,
-    ``"min"``, ``"product"`` or ``"avg"``, or the matching :data:`ReduceOp`; ``group`` must be
-    None (the world). A world of one returns at once."""
+def all_reduce(tensor: torch.Tensor, op="sum", group: Optional["Group"] = None,
+               async_op: bool = False) -> Work:
+    """Reduces ``tensor`` in place across the ranks of ``group`` (default: the world): ``op``
+    is ``"sum"`` (default), ``"max"``, ``"min"``, ``"product"`` or ``"avg"``, or the matching
+    :data:`ReduceOp`. A group of one returns at once."""
     reduce_op = _reduce_op(op)
-    _check_group(group)
+    handle = _handle(group)
     _notify("all_reduce", tensor)
-    if get_world_size() == 1:
+    size = get_world_size(group)
+    if size == 1:
         return Work()
     if reduce_op == dist.ReduceOp.AVG and dist.get_backend() != "nccl":  # gloo has no AVG: sum, divide
-        world = get_world_size()
-        handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=handle, async_op=async_op)
         if not async_op:
-            tensor.div_(world)
+            tensor.div_(size)
             return Work()
-        return Work(handle, then=lambda: tensor.div_(world))
-    handle = dist.all_reduce(tensor, op=reduce_op, async_op=async_op)
-    return Work(handle)
+        return Work(work, then=lambda: tensor.div_(size))
+    return Work(dist.all_reduce(tensor, op=reduce_op, group=handle, async_op=async_op))
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -309,72 +322,115 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
-    """Sums ``input`` (``world`` equal rows, flattened) across ranks; rank r receives row r
-    in ``output``."""
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   group: Optional["Group"] = None) -> Work:
+    """Sums ``input`` (one equal row per rank of ``group``, flattened) across the group; the
+    rank of group rank r receives row r in ``output``."""
     _notify("reduce_scatter", input)
-    if get_world_size() == 1:
+    if get_world_size(group) == 1:
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return Work()
-    return Work(_reduce_scatter_flat(output, input, async_op=async_op))
+    return Work(_reduce_scatter_flat(output, input, group=_handle(group), async_op=async_op))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
-    """Concatenates every rank's ``input`` into ``output`` (rank order)."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+               group: Optional["Group"] = None) -> Work:
+    """Concatenates every rank's ``input`` into ``output`` (in the group's rank order)."""
     _notify("all_gather", input)
-    if get_world_size() == 1:
+    if get_world_size(group) == 1:
         output.view(-1).copy_(input.view(-1))
         return Work()
-    return Work(_all_gather_flat(output, input, async_op=async_op))
+    return Work(_all_gather_flat(output, input, group=_handle(group), async_op=async_op))
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional["Group"] = None) -> None:
+    """``src``'s values (``src`` a rank of ``group``) into ``tensor`` on every rank of it."""
     _notify("broadcast", tensor)
-    if get_world_size() > 1:
-        dist.broadcast(tensor, src=src)
+    if get_world_size(group) > 1:
+        dist.broadcast(tensor, src=_global(group, src), group=_handle(group))
 
 
 def scatter(output: torch.Tensor, rows: Optional[torch.Tensor], src: int = 0,
-            async_op: bool = False) -> Work:
-    """Rank ``src`` sends row r of ``rows`` (``[world, n]``, read on ``src`` only; None
-    elsewhere) to rank r, which receives it in ``output`` (``n`` elements)."""
+            async_op: bool = False, group: Optional["Group"] = None) -> Work:
+    """Rank ``src`` (of ``group``) sends row r of ``rows`` (``[size, n]``, read on ``src``
+    only; None elsewhere) to the group's rank r, which receives it in ``output``."""
     _notify("scatter", output)
-    if get_world_size() == 1:
+    if get_world_size(group) == 1:
         output.view(-1).copy_(rows[0].view(-1))
         return Work()
-    chunks = list(rows.unbind(0)) if get_rank() == src else None
-    return Work(dist.scatter(output, chunks, src=src, async_op=async_op))
+    chunks = list(rows.unbind(0)) if get_rank(group) == src else None
+    return Work(dist.scatter(output, chunks, src=_global(group, src), group=_handle(group),
+                             async_op=async_op))
 
 
-def all_gather_object(obj, group: Optional["SideGroup"] = None) -> list:
-    """Gathers one picklable object from every rank (small metadata only); over ``group``
-    (a :func:`side_group`) when given."""
-    if get_world_size() == 1:
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      group: Optional["Group"] = None) -> None:
+    """Splits ``input`` into the group's size equal parts along dim 0 and sends part r to
+    the group's rank r; ``output`` receives the parts from every rank in rank order."""
+    _notify("all_to_all", input)
+    if get_world_size(group) == 1:
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, group=_handle(group))
+
+
+def all_gather_object(obj, group: Optional["Group"] = None) -> list:
+    """Gathers one picklable object from every rank of ``group`` (small metadata only)."""
+    size = get_world_size(group)
+    if size == 1:
         return [obj]
-    out: list = [None] * get_world_size()
-    dist.all_gather_object(out, obj, group=group.handle if group is not None else None)
+    out: list = [None] * size
+    dist.all_gather_object(out, obj, group=_handle(group))
     return out
 
 
-class SideGroup:
-    """A second process group over every rank (gloo), for work that runs beside training in
-    another thread: collectives on the default group are matched by order, so a background
-    thread must never issue one there."""
+class Group:
+    """Ranks that collectives run over: the world (:data:`WORLD`), a dimension of a
+    :class:`Mesh`, or the :func:`side_group`. ``handle`` is torch's process group (None: the
+    default, world group)."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle=None, name: str = "world"):
+        self.handle, self.name = handle, name
+
+    def size(self) -> int:
+        return get_world_size(self)
+
+    def rank(self) -> int:
+        return get_rank(self)
+
+    def ranks(self) -> List[int]:
+        """The global ranks of the group, in its rank order."""
+        if self.handle is None:
+            return list(range(get_world_size()))
+        return dist.get_process_group_ranks(self.handle)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={self.ranks()})"
 
 
-_side: Optional[SideGroup] = None
+#: The world: every rank.
+WORLD = Group()
+#: The name :func:`side_group` used to have.
+SideGroup = Group
+
+
+def _global(group: Optional[Group], rank: int) -> int:
+    handle = _handle(group)
+    return rank if handle is None else dist.get_global_rank(handle, rank)
+
+
+_side: Optional[Group] = None
 _before_destroy: List[Callable[[], None]] = []
 
 
-def side_group() -> SideGroup:
-    """The process's side group, created on first use (a collective: every rank calls it at
+def side_group() -> Group:
+    """A second group over every rank (gloo), for work that runs beside training in another
+    thread: collectives on the default group are matched by order, so a background thread
+    must never issue one there. Created on first use (a collective: every rank calls it at
     the same point, from the main thread)."""
     global _side
     if _side is None:
-        _side = SideGroup(dist.new_group(backend="gloo") if get_world_size() > 1 else None)
+        _side = Group(dist.new_group(backend="gloo") if get_world_size() > 1 else None, "side")
     return _side
 
 
@@ -384,42 +440,135 @@ def before_destroy(fn: Callable[[], None]) -> None:
         _before_destroy.append(fn)
 
 
-def broadcast_object(obj, src: int = 0):
-    """Sends rank ``src``'s picklable object to every rank (small metadata only)."""
-    if get_world_size() == 1:
+def broadcast_object(obj, src: int = 0, group: Optional[Group] = None):
+    """Sends rank ``src``'s (of ``group``) picklable object to every rank of the group
+    (small metadata only)."""
+    if get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=_global(group, src), group=_handle(group))
     return box[0]
 
 
 def broadcast_coalesced(tensors: List[torch.Tensor], src: int = 0,
-                        chunk_numel: int = 64 * 1024 * 1024) -> None:
-    """Broadcasts many tensors in place from ``src`` with one collective per dtype chunk."""
-    if get_world_size() == 1 or not tensors:
+                        chunk_numel: int = 64 * 1024 * 1024,
+                        group: Optional[Group] = None) -> None:
+    """Broadcasts many tensors in place from ``src`` (a rank of ``group``) with one
+    collective per dtype chunk."""
+    if get_world_size(group) == 1 or not tensors:
         return
     by_kind: dict = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for group in by_kind.values():
+    for same in by_kind.values():
         chunk: List[torch.Tensor] = []
         size = 0
-        for t in group + [None]:
+        for t in same + [None]:
             if t is None or (chunk and size + t.numel() > chunk_numel):
-                _broadcast_flat(chunk, src)
+                _broadcast_flat(chunk, src, group)
                 chunk, size = [], 0
             if t is not None:
                 chunk.append(t)
                 size += t.numel()
 
 
-def _broadcast_flat(chunk: List[torch.Tensor], src: int) -> None:
+def _broadcast_flat(chunk: List[torch.Tensor], src: int, group: Optional[Group]) -> None:
     if not chunk:
         return
     flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-    broadcast(flat, src)
+    broadcast(flat, src, group)
     offset = 0
     with torch.no_grad():
         for t in chunk:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+MESH_DIMS = ("dp", "sp", "tp")
+
+
+class Mesh:
+    """The ranks laid out on three named dimensions: data parallel (``dp``), sequence
+    parallel (``sp``) and tensor parallel (``tp``), ``tp`` innermost, so a tensor-parallel
+    group is adjacent ranks (ranks 0 and 1 form the first group of ``tp=2``).
+
+    Rank ``r`` sits at ``(r // (sp * tp), r // tp % sp, r % tp)``. Each dimension is a
+    :class:`Group` of the ranks that differ only in that coordinate; :attr:`zero` is the
+    ``dp`` x ``sp`` group, over which ZeRO shards model states and gradients are averaged
+    (a sequence-parallel rank holds the whole model, like a data-parallel one; a
+    tensor-parallel rank holds its shard's whole gradient already). A dimension that spans
+    every rank is :data:`WORLD` itself. ``device_mesh`` is torch's ``DeviceMesh`` of the
+    same layout (None without a process group), for DTensor and ``parallelize_module``.
+    """
+
+    def __init__(self, sizes: dict, groups: dict, zero: Group, device_mesh=None):
+        self.sizes, self._groups, self.zero = dict(sizes), groups, zero
+        self.device_mesh = device_mesh
+
+    @property
+    def dp(self) -> Group:
+        return self._groups["dp"]
+
+    @property
+    def sp(self) -> Group:
+        return self._groups["sp"]
+
+    @property
+    def tp(self) -> Group:
+        return self._groups["tp"]
+
+    def size(self, dim: str) -> int:
+        return self.sizes[dim]
+
+    def coordinate(self, rank: Optional[int] = None) -> dict:
+        """``rank``'s (default: this process's) position on each dimension."""
+        r = get_rank() if rank is None else rank
+        sp, tp = self.sizes["sp"], self.sizes["tp"]
+        return {"dp": r // (sp * tp), "sp": r // tp % sp, "tp": r % tp}
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{d}={self.sizes[d]}" for d in MESH_DIMS) + ")"
+
+
+def init_mesh(tp: int = 1, sp: int = 1, device_type: Optional[str] = None) -> Mesh:
+    """Arranges the world on a :class:`Mesh` of ``world / (tp * sp)`` data-parallel x ``sp``
+    x ``tp`` ranks (a collective: every rank calls it, at the same point)."""
+    world = get_world_size()
+    for name, n in (("tensor-parallel size", tp), ("sequence-parallel size", sp)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"the {name} must be a positive integer, got {n!r}.")
+    if world % (tp * sp):
+        raise ValueError(
+            f"world size {world} is not divisible by tensor-parallel size {tp} x "
+            f"sequence-parallel size {sp} = {tp * sp}: launch a multiple of {tp * sp} "
+            f"ranks, or choose sizes whose product divides {world}.")
+    sizes = {"dp": world // (tp * sp), "sp": sp, "tp": tp}
+    if not is_initialized() or world == 1:
+        return Mesh(sizes, {d: Group(None, d) for d in MESH_DIMS}, Group(None, "zero"))
+    from torch.distributed.device_mesh import init_device_mesh
+    from . import accelerator  # local import: accelerator does not depend on comm
+    kind = device_type or ("cuda" if accelerator.is_cuda() else "cpu")
+    shape = tuple(sizes[d] for d in MESH_DIMS)
+    device_mesh = init_device_mesh(kind, shape, mesh_dim_names=MESH_DIMS)
+    layout = torch.arange(world).view(shape)
+    groups = {d: Group(None if sizes[d] == world else device_mesh.get_group(d), d)
+              for d in MESH_DIMS}
+    if sp == 1:
+        zero = Group(groups["dp"].handle, "zero")
+    elif tp == 1:
+        zero = Group(None, "zero")
+    else:  # dp x sp: one group per tensor-parallel coordinate, created by every rank
+        zero = Group(_own_group([layout[:, :, t].reshape(-1).tolist() for t in range(tp)]),
+                     "zero")
+    return Mesh(sizes, groups, zero, device_mesh)
+
+
+def _own_group(candidates: List[List[int]]):
+    """Creates every group of ``candidates`` (each rank must create each) and returns the
+    one this rank belongs to."""
+    mine = None
+    for ranks in candidates:
+        handle = dist.new_group(ranks=ranks)
+        if get_rank() in ranks:
+            mine = handle
+    return mine
