@@ -1,0 +1,3 @@
+"""Model parallelism on a device mesh: tensor parallelism (AutoTP) and Ulysses sequence
+parallelism, composed with ZeRO's data parallelism by the engine.
+"""
