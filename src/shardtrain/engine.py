@@ -148,7 +148,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                    cfg.prescale_gradients, cfg.gradient_predivide_factor,
                                    cfg.comm_dtype())
         return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
-                              self.world_size, self.global_rank)
+                              comm.WORLD)
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:

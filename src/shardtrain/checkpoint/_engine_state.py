@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import comm
 from ..log import logger
 from ..state import TrainingParts
 from ..zero._params import GatheredParameters, is_partitioned
@@ -49,7 +48,7 @@ def own_shard(p: torch.Tensor) -> Optional[Tuple[int, int]]:
     """``[lo, hi)`` of this rank's shard of a partitioned parameter; None for one kept whole."""
     if not is_partitioned(p):
         return None
-    return shard_range(p.ds_numel, comm.get_world_size(), comm.get_rank())
+    return shard_range(p.ds_numel, p.ds_process_group.size(), p.ds_process_group.rank())
 
 
 def param_range(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

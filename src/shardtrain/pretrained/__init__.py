@@ -31,7 +31,6 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .. import comm
 from .._engine_compat import _ENGINES, DeepSpeedEngineAPI
 from ._files import WeightFiles
 from ._match import match, refuse_differences, refuse_mismatches
@@ -89,9 +88,8 @@ def load_pretrained(model: torch.nn.Module, path: Union[str, Path], strict: bool
         refuse_mismatches(found, files)
         if strict:
             refuse_differences(found, files)
-        world, rank = comm.get_world_size(), comm.get_rank()
         for target in found.loading:
-            load_target(target, files, world, rank)
+            load_target(target, files)
     regather(found.loading)
     if engine is not None:
         engine.strategy.refresh_masters([t.tensor for t in found.loading])

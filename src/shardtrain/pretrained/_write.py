@@ -32,18 +32,18 @@ def covering_rows(lo: int, hi: int, shape: Tuple[int, ...]) -> Tuple[int, int, i
 
 
 @torch.no_grad()
-def load_target(target: Target, files: WeightFiles, world: int, rank: int) -> None:
+def load_target(target: Target, files: WeightFiles) -> None:
     """Reads what this rank keeps of ``target`` and writes it there."""
     if is_partitioned(target.tensor):
-        _load_shard(target.tensor, target.source, files, world, rank)
+        _load_shard(target.tensor, target.source, files)
     else:
         values = files.read(target.source)
         target.tensor.copy_(values.view(target.tensor.shape))
 
 
-def _load_shard(p: torch.nn.Parameter, name: str, files: WeightFiles, world: int,
-                rank: int) -> None:
-    lo, hi = shard_range(p.ds_numel, world, rank)
+def _load_shard(p: torch.nn.Parameter, name: str, files: WeightFiles) -> None:
+    group = p.ds_process_group
+    lo, hi = shard_range(p.ds_numel, group.size(), group.rank())
     if hi <= lo:
         return  # a tensor with fewer elements than ranks leaves this one nothing
     shape = files.tensors[name].shape

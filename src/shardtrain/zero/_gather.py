@@ -11,6 +11,7 @@ from typing import List
 
 import torch
 
+from ..comm import Group
 from . import _collectives as coll
 from ._buckets import split_into_buckets
 from ._shards import ShardLayout, full_numel
@@ -18,13 +19,13 @@ from ._shards import ShardLayout, full_numel
 
 class SliceGatherer:
     """Args: ``params`` (whole on every rank), ``gather_numel`` elements per collective,
-    and the data-parallel ``world`` and ``rank``."""
+    and the data-parallel ``group``."""
 
-    def __init__(self, params: List[torch.nn.Parameter], gather_numel: int, world: int,
-                 rank: int):
-        self.world = world
-        self.groups = [(group, ShardLayout([full_numel(p) for p in group], world, rank))
-                       for group in split_into_buckets(params, gather_numel)] if params else []
+    def __init__(self, params: List[torch.nn.Parameter], gather_numel: int, group: Group):
+        self.group = group
+        world, rank = group.size(), group.rank()
+        self.groups = [(ps, ShardLayout([full_numel(p) for p in ps], world, rank))
+                       for ps in split_into_buckets(params, gather_numel)] if params else []
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -36,6 +37,6 @@ class SliceGatherer:
                 lo, hi = layout.slices[i]
                 if hi > lo:
                     layout.own(mine, i).copy_(p.data.view(-1)[lo:hi])
-            flights.append((group, layout, coll.all_gather_rows(mine, self.world)))
+            flights.append((group, layout, coll.all_gather_rows(mine, self.group)))
         for group, layout, flight in flights:
             layout.unpack(flight.wait(), [p.data.view(-1) for p in group])

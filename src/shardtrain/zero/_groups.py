@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import accelerator
+from ..comm import Group
 from . import _collectives as coll
 from . import leaf
 from ._params import (ZeroParamStatus, adopt, is_partitioned, mark_available, materialize,
@@ -32,16 +33,16 @@ class ParamGroup:
 
     Args:
         params: partitioned parameters (their shards move into the group's flat buffer).
-        world, rank: the data-parallel group.
+        group: the data-parallel group.
         offload, pin_memory: the shards live in (pinned) host memory between uses
             (``offload_param``).
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int,
+    def __init__(self, params: List[torch.nn.Parameter], group: Group,
                  offload: bool = False, pin_memory: bool = False):
         self.params = params
-        self.world = world
-        self.layout = ShardLayout([p.ds_numel for p in params], world, rank)
+        self.group = group
+        self.layout = ShardLayout([p.ds_numel for p in params], group.size(), group.rank())
         first = params[0].ds_tensor
         self.device = first.device  # where the full parameters are used
         self.offload = offload
@@ -71,7 +72,7 @@ class ParamGroup:
         # An offloaded shard travels to the device first (a copy even when both are the CPU).
         mine = self.flat.to(self.device, copy=True, non_blocking=True) if self.offload \
             else self.flat
-        self._flight = coll.all_gather_rows(mine, self.world, self.device)
+        self._flight = coll.all_gather_rows(mine, self.group, self.device)
         self.status = INFLIGHT
         for p in self.params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -114,13 +115,13 @@ class Units:
         return self.by_module.get(id(m), [])
 
 
-def partition_model(module: torch.nn.Module, world: int, rank: int, zero: Any) -> Units:
+def partition_model(module: torch.nn.Module, group: Group, zero: Any) -> Units:
     """Partitions ``module``'s parameters (but the small ones) and groups them into units.
 
     ``zero`` is the ``zero_optimization`` config (persistence thresholds, leaf modules,
     parameter offload).
     """
-    _partition_params(module, world, rank, zero)
+    _partition_params(module, group, zero)
     leaf.apply_config(module, zero.leaf_module, int(zero.module_granularity_threshold))
     leaves = {id(m) for m in leaf.outermost_leaves(module)}
     units = Units(inside_leaf={id(x) for m in module.modules() if id(m) in leaves
@@ -136,7 +137,7 @@ def partition_model(module: torch.nn.Module, world: int, rank: int, zero: Any) -
         by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
         for p in mine:
             by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-        units.groups += [ParamGroup(ps, world, rank, offload, pin) for ps in by_dtype.values()]
+        units.groups += [ParamGroup(ps, group, offload, pin) for ps in by_dtype.values()]
     for m in module.modules():
         # (a module inside a leaf maps to its leaf's groups: for its state_dict and for
         # reads of its parameters outside the leaf's forward)
@@ -146,7 +147,7 @@ def partition_model(module: torch.nn.Module, world: int, rank: int, zero: Any) -
     return units
 
 
-def _partition_params(module: torch.nn.Module, world: int, rank: int, zero: Any) -> None:
+def _partition_params(module: torch.nn.Module, group: Group, zero: Any) -> None:
     unique = list({id(p): p for p in module.parameters()}.values())
     budget = int(zero.model_persistence_threshold)
     for p in sorted(unique, key=full_numel):
@@ -154,11 +155,12 @@ def _partition_params(module: torch.nn.Module, world: int, rank: int, zero: Any)
         if small and not is_partitioned(p) and full_numel(p) <= budget:
             budget -= full_numel(p)
             p.ds_persist, p.ds_shape, p.ds_numel = True, p.shape, p.numel()
+            p.ds_process_group = group
             continue
         if is_partitioned(p):
-            adopt(p, world)  # built under zero.Init, before the engine moved it
+            adopt(p, group)  # built under zero.Init, before the engine moved it
         else:
-            partition(p, world, rank, src=None)  # the engine already broadcast rank 0's
+            partition(p, group, src=None)  # the engine already broadcast rank 0's
 
 
 def unit_params(m: torch.nn.Module, whole: bool) -> List[torch.nn.Parameter]:

@@ -6,7 +6,8 @@ still point at it) and gains DeepSpeed's attributes:
 * ``ds_shape``, ``ds_numel``: the full shape and element count;
 * ``ds_tensor``: this rank's shard (``chunk_size`` elements, zero-padded), 1-D;
 * ``ds_status``: ``ZeroParamStatus.AVAILABLE`` while gathered, else ``NOT_AVAILABLE``;
-* ``ds_id``: a creation-order number, the same on every rank.
+* ``ds_id``: a creation-order number, the same on every rank;
+* ``ds_process_group``: the data-parallel :class:`~shardtrain.comm.Group` it is sharded over.
 
 While released, ``param.data`` is an empty tensor of shape ``(0,)`` (so a stray read
 fails loudly instead of reading stale memory). The gathered value lives in ``ds_full``,
@@ -25,6 +26,7 @@ from typing import Iterable, List, Optional, Set
 import torch
 
 from .. import comm
+from ..comm import Group
 from . import _collectives as coll
 from ._shards import chunk_size, shard_range
 
@@ -46,15 +48,17 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def partition(p: torch.nn.Parameter, world: int, rank: int, src: Optional[int] = 0) -> None:
-    """Turns a full parameter into a partitioned one (the full value is dropped).
+def partition(p: torch.nn.Parameter, group: Group, src: Optional[int] = 0) -> None:
+    """Turns a full parameter into a partitioned one over ``group`` (the full value is
+    dropped).
 
-    With ``src`` set, every rank's shard is cut from that rank's value (one scatter: each
-    rank receives its own chunk, not the whole tensor), so the shards come from the same
-    full tensor even if ranks initialised differently.
+    With ``src`` (a rank of ``group``) set, every rank's shard is cut from that rank's value
+    (one scatter: each rank receives its own chunk, not the whole tensor), so the shards
+    come from the same full tensor even if ranks initialised differently.
     """
     if is_partitioned(p):
         return
+    world, rank = group.size(), group.rank()
     full = p.data
     numel, c = full.numel(), chunk_size(full.numel(), world)
     p.ds_shape, p.ds_numel = full.shape, numel
@@ -67,8 +71,9 @@ def partition(p: torch.nn.Parameter, world: int, rank: int, src: Optional[int] =
         if rank == src:  # the gathered layout: chunk r is row r, the last chunk zero-padded
             p.ds_padded[:numel].copy_(full.reshape(-1))
             p.ds_padded[numel:].zero_()
-        coll.scatter_rows(p.ds_padded.view(world, c), shard, src).wait()
+        coll.scatter_rows(p.ds_padded.view(world, c), shard, src, group).wait()
     p.ds_tensor = shard
+    p.ds_process_group = group
     if getattr(p, "ds_id", None) is None:
         p.ds_id = next(_ids)
     p.ds_persist = False
@@ -83,9 +88,16 @@ def _give_full_storage(p: torch.nn.Parameter, world: int, dtype: torch.dtype,
     p.ds_full = p.ds_padded[: p.ds_numel].view(p.ds_shape)
 
 
-def adopt(p: torch.nn.Parameter, world: int) -> None:
+def adopt(p: torch.nn.Parameter, group: Group) -> None:
     """A partitioned parameter takes the dtype and device the (empty) parameter was given
     after it was partitioned (``zero.Init`` builds, then the engine casts and moves)."""
+    if p.ds_process_group.ranks() != group.ranks():
+        raise ValueError(
+            f"a parameter of shape {tuple(p.ds_shape)} was partitioned by zero.Init over ranks "
+            f"{p.ds_process_group.ranks()}, but the engine shards over ranks {group.ranks()} "
+            f"(its data-parallel group on this mesh): build the model without zero.Init "
+            f"when tensor parallelism is on.")
+    world = group.size()
     dtype, device = p.dtype, p.device
     if p.ds_tensor.dtype != dtype or p.ds_tensor.device != device:
         p.ds_tensor = p.ds_tensor.to(device=device, dtype=dtype)
@@ -119,14 +131,16 @@ def mark_available(p: torch.nn.Parameter) -> None:
 @torch.no_grad()
 def gather_one(p: torch.nn.Parameter) -> None:
     """Synchronously all-gathers one partitioned parameter (collective)."""
-    coll.gather_chunks(materialize(p).view(-1), p.ds_tensor)  # every chunk lands in place
+    # every chunk lands in place
+    coll.gather_chunks(materialize(p).view(-1), p.ds_tensor, p.ds_process_group)
     mark_available(p)
 
 
 @torch.no_grad()
 def write_shard_from_full(p: torch.nn.Parameter) -> None:
     """After the full value changed, stores this rank's part of it in the shard."""
-    lo, hi = shard_range(p.ds_numel, comm.get_world_size(), comm.get_rank())
+    group = p.ds_process_group
+    lo, hi = shard_range(p.ds_numel, group.size(), group.rank())
     p.ds_tensor[: hi - lo].copy_(p.ds_full.view(-1)[lo:hi])
 
 
@@ -180,7 +194,7 @@ class GatheredParameters:
                 leaving = {id(p) for p in self._gathered}
                 _store_modified(self.params, leaving, self.modifier_rank)
                 for p in self.whole:
-                    coll.broadcast(p.data, self.modifier_rank)
+                    coll.broadcast(p.data, self.modifier_rank, _group_of(p))
                 _refresh_masters(self.params + self.whole)
             for p in self._gathered:
                 release(p)
@@ -200,7 +214,7 @@ def _store_modified(params: List[torch.nn.Parameter], leaving: Set[int], src: in
         if id(p) in leaving:
             flights.append((p, _scatter_shard(p, src)))
         else:
-            coll.broadcast(p.ds_full, src)
+            coll.broadcast(p.ds_full, src, p.ds_process_group)
             write_shard_from_full(p)
     for p, flight in flights:
         landed = flight.wait()
@@ -211,11 +225,17 @@ def _store_modified(params: List[torch.nn.Parameter], leaving: Set[int], src: in
 def _scatter_shard(p: torch.nn.Parameter, src: int) -> coll.Inflight:
     """Starts sending rank ``src``'s chunk r of ``p`` to rank r's shard."""
     rows = p.ds_padded.view(-1, p.ds_tensor.numel())  # row r: rank r's chunk
-    if comm.get_rank() == src:
+    if p.ds_process_group.rank() == src:
         p.ds_padded[p.ds_numel:].zero_()  # the last chunk's padding, as partition() leaves it
     here = p.ds_tensor.device == rows.device
     out = p.ds_tensor if here else torch.empty_like(p.ds_tensor, device=rows.device)
-    return coll.scatter_rows(rows, out, src)
+    return coll.scatter_rows(rows, out, src, p.ds_process_group)
+
+
+def _group_of(p: torch.nn.Parameter) -> Group:
+    """The group a parameter stage 3 keeps whole is replicated over (the world outside an
+    engine)."""
+    return getattr(p, "ds_process_group", None) or comm.WORLD
 
 
 def _refresh_masters(params: List[torch.nn.Parameter]) -> None:
@@ -239,7 +259,7 @@ def _wait_inflight(p: torch.nn.Parameter) -> None:
         group.wait()
 
 
-def partition_module(module: torch.nn.Module, world: int, rank: int,
+def partition_module(module: torch.nn.Module, group: Group,
                      params: Optional[Iterable[torch.nn.Parameter]] = None) -> None:
     for p in (params if params is not None else module.parameters()):
-        partition(p, world, rank)
+        partition(p, group)

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..comm import Group
 from . import _collectives as coll
 from ._buckets import FlatBucket
 from ._shards import ShardLayout, full_numel
@@ -133,15 +134,15 @@ def _unused(flags: Optional[torch.Tensor], used_here: bool) -> set:
 class AllReduceExchange:
     """Stage 0's exchange: a bucket is all-reduced in place, every rank keeps it whole."""
 
-    def __init__(self, settings: ReduceSettings):
-        self.settings = settings
+    def __init__(self, settings: ReduceSettings, group: Group):
+        self.settings, self.group = settings, group
 
     def send(self, bucket: FlatBucket) -> coll.Inflight:
         bucket.write_flags()
         pre = self.settings.pre_factor()
         if pre != 1.0:
             bucket.grads.mul_(pre)
-        return coll.all_reduce_flat(bucket.buffer, self.settings.comm_dtype)
+        return coll.all_reduce_flat(bucket.buffer, self.settings.comm_dtype, self.group)
 
     def land(self, bucket: FlatBucket, summed: torch.Tensor, post: float) -> None:
         if summed is not bucket.buffer:
@@ -289,12 +290,13 @@ class ScatterRows:
     """Packs a bucket's gradients rank-major for a reduce-scatter, this rank's used-flags
     repeated in every row so that each rank receives the sum of all ranks' flags."""
 
-    def __init__(self, buckets: List[FlatBucket], world: int, rank: int,
-                 settings: ReduceSettings, use_reduce_scatter: bool):
-        self.rank, self.world, self.settings = rank, world, settings
+    def __init__(self, buckets: List[FlatBucket], group: Group, settings: ReduceSettings,
+                 use_reduce_scatter: bool):
+        self.group, self.world, self.settings = group, group.size(), settings
         self.use_reduce_scatter = use_reduce_scatter
-        self.layouts = {id(b): ShardLayout([full_numel(p) for p in b.params], world, rank,
-                                           extra=len(b.params)) for b in buckets}
+        self.layouts = {id(b): ShardLayout([full_numel(p) for p in b.params], self.world,
+                                           group.rank(), extra=len(b.params))
+                        for b in buckets}
 
     def send(self, bucket: FlatBucket, flats: Sequence[Optional[torch.Tensor]]) -> coll.Inflight:
         layout = self.layouts[id(bucket)]
@@ -305,7 +307,7 @@ class ScatterRows:
         pre = self.settings.pre_factor()
         if pre != 1.0:
             rows.mul_(pre)
-        return coll.reduce_scatter_rows(rows, self.rank, self.use_reduce_scatter)
+        return coll.reduce_scatter_rows(rows, self.group, self.use_reduce_scatter)
 
     def width(self, bucket: FlatBucket) -> int:
         """Columns of the gradients in a row (the flags follow)."""

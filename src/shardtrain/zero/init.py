@@ -54,12 +54,11 @@ class Init:
             self._partition_tree(module)
 
     def _partition_tree(self, module: torch.nn.Module) -> None:
-        world, rank = comm.get_world_size(), comm.get_rank()
         for p in module.parameters():
             if not is_partitioned(p):
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
-                partition(p, world, rank, src=0)
+                partition(p, comm.WORLD, src=0)
 
     def __enter__(self) -> "Init":
         if not self.enabled:

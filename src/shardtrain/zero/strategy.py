@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
+from ..comm import Group
 from . import _collectives as coll
 from ._gather import SliceGatherer
 from ._groups import partition_model
@@ -117,19 +118,22 @@ class Strategy:
         params: the trainable parameters, each once.
         grads: the gradient reducer (:class:`._reduce.FullGrads` or ``ShardedGrads``).
         view: what the optimizer holds of each parameter.
-        world: ranks in the data-parallel group.
+        group: the data-parallel group (ranks that hold the same parameters).
+        tp: the tensor-parallel group, whose ranks hold different slices of the parameters
+            that carry ``tp_split`` (None: no tensor parallelism).
         gatherer: all-gathers updated slices after the step (None at stage 0).
         schedule: gathers and releases partitioned parameters (stage 3 only).
     """
 
     def __init__(self, stage: int, module: torch.nn.Module, params: List[torch.nn.Parameter],
-                 grads: Any, view: OptimizerView, world: int,
+                 grads: Any, view: OptimizerView, group: Group,
                  gatherer: Optional[SliceGatherer] = None,
-                 schedule: Optional[GatherSchedule] = None):
+                 schedule: Optional[GatherSchedule] = None, tp: Optional[Group] = None):
         self.stage = stage
         self.supports_no_sync = isinstance(grads, FullGrads)
         self._module = module
-        self._world = world
+        self._group, self._tp = group, tp
+        self._world = group.size()
         self.params = params
         self._grads = grads
         self._view = view
@@ -186,10 +190,15 @@ class Strategy:
         return self._view.load_grads(self._grads.grads(accumulation_steps))
 
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-        return coll.global_norm(grads, device, sharded=self.stage > 0)
+        return coll.global_norm(grads, device, self._norm_groups(), self._view.split_grads())
 
     def all_finite(self, grads: List[torch.Tensor], device: torch.device) -> bool:
-        return coll.all_finite(grads, device, sharded=self.stage > 0)
+        return coll.all_finite(grads, device, self._norm_groups())
+
+    def _norm_groups(self) -> coll.NormGroups:
+        """Where the parts of the whole gradient live: sharded slices over the data-parallel
+        group (stages 1-3), ``tp_split`` parameters' slices over the tensor-parallel one."""
+        return coll.NormGroups(self._group if self.stage > 0 else None, self._tp)
 
     def after_step(self) -> None:
         """Updated masters into the module's slices, then every rank's slices gathered."""
@@ -254,33 +263,37 @@ class Strategy:
 
 
 def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], zero: Any,
-                   settings: ReduceSettings, world: int, rank: int) -> Strategy:
+                   settings: ReduceSettings, group: Group, tp: Optional[Group] = None
+                   ) -> Strategy:
     """Assembles the strategy of ``zero.stage`` (``zero`` is the ``zero_optimization``
-    config) for the trainable ``params`` of ``module`` on the data-parallel group."""
-    units = partition_model(module, world, rank, zero) if zero.stage == 3 else None
+    config) for the trainable ``params`` of ``module`` on the data-parallel ``group``
+    (``tp``: the tensor-parallel group, when the model's layers are split over one)."""
+    units = partition_model(module, group, zero) if zero.stage == 3 else None
     buckets = [FlatBucket(group, flat=zero.stage < 2)
                for group in split_into_buckets(params, int(zero.reduce_bucket_size))]
     overlap = bool(zero.overlap_comm)
     if zero.stage == 0:
-        grads = FullGrads(params, buckets, overlap, settings, AllReduceExchange(settings))
+        grads = FullGrads(params, buckets, overlap, settings,
+                          AllReduceExchange(settings, group))
         view = OptimizerView(params, full_slices(params))
-        return Strategy(0, module, params, grads, view, world)
-    rows = ScatterRows(buckets, world, rank, settings, bool(zero.reduce_scatter))
+        return Strategy(0, module, params, grads, view, group, tp=tp)
+    rows = ScatterRows(buckets, group, settings, bool(zero.reduce_scatter))
     if zero.stage == 1:
         grads = FullGrads(params, buckets, overlap, settings, ScatterExchange(rows))
     else:
         grads = ShardedGrads(params, buckets, overlap, settings, rows)
-    view = _sharded_view(params, world, rank, zero.offload_optimizer)
+    view = _sharded_view(params, group, zero.offload_optimizer)
     whole = [p for p in params if not is_partitioned(p)]
-    gatherer = SliceGatherer(whole, int(zero.allgather_bucket_size), world, rank)
+    gatherer = SliceGatherer(whole, int(zero.allgather_bucket_size), group)
     schedule = GatherSchedule(module, units, zero, view.refresh_masters) if units else None
-    return Strategy(zero.stage, module, params, grads, view, world, gatherer, schedule)
+    return Strategy(zero.stage, module, params, grads, view, group, gatherer, schedule, tp)
 
 
-def _sharded_view(params: List[torch.nn.Parameter], world: int, rank: int,
-                  offload: Any) -> OptimizerView:
+def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any
+                  ) -> OptimizerView:
     """This rank's slice of each parameter; at stage 3 a partitioned parameter's slice is
     its shard (the optimizer updates it in place when it is fp32)."""
+    world, rank = group.size(), group.rank()
     on_host = offload is not None and offload.device == "cpu"
     slices = [shard_range(full_numel(p), world, rank) for p in params]
     sources = [p.ds_tensor[: hi - lo] if is_partitioned(p) else None
