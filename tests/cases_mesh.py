@@ -12,7 +12,7 @@ def groups_and_collectives(rank: int, world_size: int, tp: int, sp: int) -> dict
            "ranks": {d: getattr(mesh, d).ranks() for d in comm.MESH_DIMS},
            "zero_ranks": mesh.zero.ranks(),
            "local": {d: getattr(mesh, d).rank() for d in comm.MESH_DIMS},
-           "device_mesh": mesh.device_mesh.mesh.tolist()}
+           "device_mesh": mesh.device_mesh.mesh.tolist() if mesh.device_mesh else None}
     sums = {}
     for d in comm.MESH_DIMS + ("zero",):
         group = mesh.zero if d == "zero" else getattr(mesh, d)

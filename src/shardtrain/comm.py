@@ -193,7 +193,7 @@ def is_initialized() -> bool:
 
 def get_rank(group: Optional["Group"] = None) -> int:
     """This process's rank in ``group`` (default: the world)."""
-    if not is_initialized():
+    if not is_initialized() or (group is not None and group.solo):
         return 0
     return dist.get_rank(group.handle) if group is not None and group.handle is not None \
         else dist.get_rank()
@@ -201,7 +201,7 @@ def get_rank(group: Optional["Group"] = None) -> int:
 
 def get_world_size(group: Optional["Group"] = None) -> int:
     """Ranks in ``group`` (default: the world)."""
-    if not is_initialized():
+    if not is_initialized() or (group is not None and group.solo):
         return 1
     return dist.get_world_size(group.handle) if group is not None and group.handle is not None \
         else dist.get_world_size()
@@ -387,10 +387,11 @@ def all_gather_object(obj, group: Optional["Group"] = None) -> list:
 class Group:
     """Ranks that collectives run over: the world (:data:`WORLD`), a dimension of a
     :class:`Mesh`, or the :func:`side_group`. ``handle`` is torch's process group (None: the
-    default, world group)."""
+    default, world group); a ``solo`` group is this rank alone (no process group: every
+    collective over it returns at once)."""
 
-    def __init__(self, handle=None, name: str = "world"):
-        self.handle, self.name = handle, name
+    def __init__(self, handle=None, name: str = "world", solo: bool = False):
+        self.handle, self.name, self.solo = handle, name, solo
 
     def size(self) -> int:
         return get_world_size(self)
@@ -400,9 +401,19 @@ class Group:
 
     def ranks(self) -> List[int]:
         """The global ranks of the group, in its rank order."""
+        if self.solo:
+            return [get_rank()]
         if self.handle is None:
             return list(range(get_world_size()))
         return dist.get_process_group_ranks(self.handle)
+
+    @property
+    def process_group(self):
+        """torch's process group, for code that calls ``torch.distributed`` itself (the
+        world group for :data:`WORLD`; None for a solo group or without a process group)."""
+        if self.solo or not is_initialized():
+            return None
+        return self.handle if self.handle is not None else dist.group.WORLD
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={self.ranks()})"
@@ -498,12 +509,32 @@ class Mesh:
     (a sequence-parallel rank holds the whole model, like a data-parallel one; a
     tensor-parallel rank holds its shard's whole gradient already). A dimension that spans
     every rank is :data:`WORLD` itself. ``device_mesh`` is torch's ``DeviceMesh`` of the
-    same layout (None without a process group), for DTensor and ``parallelize_module``.
+    same layout, for DTensor and ``parallelize_module`` (None without a process group, or
+    with data parallelism alone: then ``sp`` and ``tp`` are solo groups and nothing is
+    created).
     """
 
     def __init__(self, sizes: dict, groups: dict, zero: Group, device_mesh=None):
         self.sizes, self._groups, self.zero = dict(sizes), groups, zero
         self.device_mesh = device_mesh
+
+    @classmethod
+    def from_groups(cls, dp, tp=None, sp=None) -> "Mesh":
+        """The mesh of process groups a caller built itself (torch ``ProcessGroup`` s, e.g.
+        from a DeepSpeed ``mpu``): ``dp`` the data-parallel group, ``tp`` the tensor
+        (model) parallel one and ``sp`` the sequence-parallel one (None: this rank alone)."""
+        groups = {"dp": _wrap(dp, "dp"), "sp": _wrap(sp, "sp"), "tp": _wrap(tp, "tp")}
+        sizes = {d: g.size() for d, g in groups.items()}
+        if sizes["dp"] * sizes["sp"] * sizes["tp"] != get_world_size():
+            raise ValueError(
+                f"the given groups do not cover the world: data-parallel {sizes['dp']} x "
+                f"sequence-parallel {sizes['sp']} x tensor-parallel {sizes['tp']} != world "
+                f"size {get_world_size()}.")
+        zero = groups["dp"] if sizes["sp"] == 1 else None
+        if zero is None:
+            raise NotImplementedError("a caller-built mesh with sequence parallelism: pass "
+                                      "sequence_parallel_size in the config instead.")
+        return cls(sizes, groups, Group(zero.handle, "zero", zero.solo))
 
     @property
     def dp(self) -> Group:
@@ -545,6 +576,9 @@ def init_mesh(tp: int = 1, sp: int = 1, device_type: Optional[str] = None) -> Me
     sizes = {"dp": world // (tp * sp), "sp": sp, "tp": tp}
     if not is_initialized() or world == 1:
         return Mesh(sizes, {d: Group(None, d) for d in MESH_DIMS}, Group(None, "zero"))
+    if tp == sp == 1:  # data parallelism alone: the world, and no sub-groups to create
+        solo = {d: Group(None, d, solo=True) for d in ("sp", "tp")}
+        return Mesh(sizes, {"dp": Group(None, "dp"), **solo}, Group(None, "zero"))
     from torch.distributed.device_mesh import init_device_mesh
     from . import accelerator  # local import: accelerator does not depend on comm
     kind = device_type or ("cuda" if accelerator.is_cuda() else "cpu")
@@ -561,6 +595,15 @@ def init_mesh(tp: int = 1, sp: int = 1, device_type: Optional[str] = None) -> Me
         zero = Group(_own_group([layout[:, :, t].reshape(-1).tolist() for t in range(tp)]),
                      "zero")
     return Mesh(sizes, groups, zero, device_mesh)
+
+
+def _wrap(handle, name: str) -> Group:
+    """A caller's process group as a :class:`Group` (None: this rank alone)."""
+    if handle is None:
+        return Group(None, name, solo=True)
+    if handle is dist.group.WORLD:
+        return Group(None, name)
+    return Group(handle, name)
 
 
 def _own_group(candidates: List[List[int]]):

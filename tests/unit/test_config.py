@@ -338,11 +338,8 @@ PLANNED_CASES = {
     "checkpoint.parallel_write.pipeline_stage": True,
     "checkpoint.writer": {"type": "fast"},
     "optimizer.legacy_fusion": True,
-    "sequence_parallel_size": 2,
-    "data_parallel_size": 2,
     "seq_parallel_communication_data_type": "bf16",
     "use_data_before_expert_parallelism": True,
-    "tensor_parallel": {"autotp_size": 2},
     "expert_parallel": {"enabled": True},
     "hybrid_engine": {"enabled": True},
     "data_efficiency": {"enabled": True},
@@ -422,12 +419,9 @@ def test_every_zero_stage_loads(stage):
     {"hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1}},
     {"data_efficiency": {"enabled": False, "seed": 1234}},
     {"timers": {"throughput": {"enabled": False, "synchronized": True}}},
-    {"tensor_parallel": {"autotp_size": 1}},
-    {"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1}, "tp_overlap_comm": False}},
     # blocks only a planned feature reads
     {"pipeline": {"stages": "auto", "partition": "best", "activation_checkpoint_interval": 0}},
     {"aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1}},
-    {"sequence_parallel_size": 1},
     {"zero_optimization": {"offload_optimizer": {"device": "none"}}},
 ])
 def test_disabled_forms_are_accepted(extra):
@@ -437,8 +431,6 @@ def test_disabled_forms_are_accepted(extra):
 @pytest.mark.parametrize("extra", [
     {"hybrid_engine": {"enabled": True}},
     {"hybrid_engine": {"max_out_tokens": 512}},  # enabled is not said to be false
-    {"tensor_parallel": {"autotp_size": 2}},
-    {"tensor_parallel": {"tp": {"tp_size": 4}}},
     {"timers": {"throughput": {"enabled": False}, "other": {"enabled": True}}},
 ])
 def test_planned_blocks_that_ask_for_the_feature_are_refused(extra):
@@ -801,3 +793,45 @@ def test_bf16_check_grad_overflow_false_and_nonfinite_gradients_disagree():
                                           'nonfinite_gradients is "error"; keep one'):
         load_config({"train_batch_size": 4, "bf16": {"enabled": True, "check_grad_overflow": False},
                      "nonfinite_gradients": "error"}, 1)
+
+
+# ---------------------------------------------------------------------------- device mesh
+
+
+@pytest.mark.parametrize("extra, world, dp", [
+    ({"tensor_parallel": {"autotp_size": 2}}, 8, 4),
+    ({"tensor_parallel": {"tp": {"tp_size": 4}}}, 8, 2),
+    ({"sequence_parallel_size": 2}, 8, 4),
+    ({"sequence_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 8, 2),
+    ({"tensor_parallel": {"autotp_size": 1}}, 4, 4),
+    ({"tensor_parallel": {"autotp_size": 0, "tp": {"tp_size": 1}, "tp_overlap_comm": False}}, 4, 4),
+    ({"sequence_parallel_size": 1}, 4, 4),
+])
+def test_the_batch_arithmetic_counts_data_parallel_ranks(extra, world, dp):
+    """DeepSpeed's rule: the world divided by the model- and sequence-parallel sizes."""
+    cfg = load_config({"train_batch_size": 16, "gradient_accumulation_steps": 2, **extra}, world)
+    assert cfg.train_micro_batch_size_per_gpu == 16 // 2 // dp
+    assert cfg.tensor_parallel_size() == extra.get("tensor_parallel", {}).get("autotp_size") or \
+        cfg.tensor_parallel_size() == max(1, extra.get("tensor_parallel", {}).get("tp", {}).get("tp_size", 1))
+
+
+def test_a_callers_data_parallel_size_replaces_the_division():
+    cfg = load_config({"train_batch_size": 16, "tensor_parallel": {"autotp_size": 2}}, 8,
+                      data_parallel_world_size=8)
+    assert cfg.train_micro_batch_size_per_gpu == 2
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    ({"tensor_parallel": {"autotp_size": 3}}, 4,
+     "world size 4 is not divisible by tensor_parallel.autotp_size 3 x sequence_parallel_size 1 = 3: "
+     "launch a multiple of 3 ranks, or choose sizes whose product divides 4."),
+    ({"sequence_parallel_size": 2, "data_parallel_size": 4}, 4,
+     "data_parallel_size 4 does not match the mesh: world size 4 / (tensor-parallel 1 x sequence-parallel 2) "
+     "= 2 data-parallel ranks; set it to 2 or remove it."),
+    ({"tensor_parallel": {"autotp_size": "2"}}, 4,
+     "tensor_parallel.autotp_size must be a non-negative integer (the ranks each layer is split over); got \"2\"."),
+    ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}}, 8,
+     "tensor_parallel.autotp_size 2 and tensor_parallel.tp.tp_size 4 disagree; set one of them."),
+])
+def test_a_mesh_the_world_cannot_hold_is_refused_with_the_numbers(extra, world, message):
+    assert message in error_of(extra, world)

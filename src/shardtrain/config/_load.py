@@ -23,7 +23,8 @@ from ._root import ShardConfig
 __all__ = ["load_config"]
 
 
-def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", ShardConfig], world_size: int) -> ShardConfig:
+def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", ShardConfig], world_size: int,
+                data_parallel_world_size: Optional[int] = None) -> ShardConfig:
     """Load, validate and resolve a training config.
 
     Args:
@@ -32,7 +33,10 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", ShardC
             - a path (``str`` or ``Path``) to a JSON file; repeated keys are an error,
             - a url-safe base64 string of JSON (as DeepSpeed's launcher passes configs),
             - a :class:`ShardConfig`, which is re-resolved from its ``raw`` input.
-        world_size: the data-parallel world size used for the batch arithmetic.
+        world_size: the number of ranks. The batch arithmetic counts the data-parallel ones: the
+            world divided by ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``.
+        data_parallel_world_size: the data-parallel ranks when the caller built its own groups
+            (a DeepSpeed ``mpu``); replaces that division.
 
     Returns:
         The validated :class:`ShardConfig`, with the batch triple resolved.
@@ -49,7 +53,8 @@ def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", ShardC
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
     raw = _read(config)
     try:
-        return ShardConfig.model_validate(raw, context={"world_size": world_size})
+        return ShardConfig.model_validate(raw, context={"world_size": world_size,
+                                                        "data_parallel_world_size": data_parallel_world_size})
     except ValidationError as error:
         raise _config_error(error) from None
 

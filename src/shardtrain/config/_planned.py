@@ -49,15 +49,11 @@ def _check_planned(cfg: "ShardConfig") -> None:
 def _block_disabled(key: str, value: Any) -> bool:
     """Whether a planned object block asks for nothing, so that DeepSpeed would not run the feature
     either: ``{}``, ``"enabled": false`` whatever settings come with it (``hybrid_engine``,
-    ``data_efficiency``, ...), only disabled sub-blocks (``timers.throughput``), or a tensor-parallel
-    size of at most 1."""
+    ``data_efficiency``, ...), or only disabled sub-blocks (``timers.throughput``)."""
     if not isinstance(value, dict):
         return False
     if not value or value.get("enabled") is False:
         return True
-    if key == "tensor_parallel":
-        sizes = (value.get("autotp_size", 0), (value.get("tp") or {}).get("tp_size", 1))
-        return all(isinstance(size, int) and not isinstance(size, bool) and size <= 1 for size in sizes)
     if "enabled" not in value and all(isinstance(sub, dict) for sub in value.values()):
         return all(_block_disabled("", sub) for sub in value.values())
     return False

@@ -21,6 +21,7 @@ from ._batch import _BATCH_KEYS, _resolve_batch
 from ._checkpoint import CheckpointConfig
 from ._checks import _check_combinations
 from ._execution import ActivationCheckpointingConfig, CompileConfig
+from ._mesh import data_parallel_world, tensor_parallel_size
 from ._model import ConfigError, _ConfigModel
 from ._monitoring import (
     CometConfig,
@@ -161,19 +162,26 @@ class ShardConfig(_ConfigModel):
 
     @model_validator(mode="after")
     def _finish(self, info: ValidationInfo) -> "ShardConfig":
-        world_size = (info.context or {}).get("world_size")
+        context = info.context or {}
+        world_size = context.get("world_size")
         if world_size is None:
-            raise TypeError("ShardConfig needs the data-parallel world size: build it with "
+            raise TypeError("ShardConfig needs the world size: build it with "
                             "load_config(config, world_size) or model_validate(data, context={'world_size': n}).")
+        dp = context.get("data_parallel_world_size") or data_parallel_world(
+            world_size, self.tensor_parallel_size(), self.sequence_parallel_size or 1, self.data_parallel_size)
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = (
             _resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                           self.gradient_accumulation_steps, world_size))
+                           self.gradient_accumulation_steps, dp))
         _check_combinations(self)
         _check_planned(self)
         if self.vocabulary_size is not None and self.vocabulary_size % 8:
             logger.warning("vocabulary_size %d is not a multiple of 8; padding it helps tensor-core kernels",
                            self.vocabulary_size)
         return self
+
+    def tensor_parallel_size(self) -> int:
+        """Ranks each layer is split over (``tensor_parallel.autotp_size``; 1: none)."""
+        return tensor_parallel_size(self.tensor_parallel)
 
     @property
     def raw(self) -> Dict[str, Any]:

@@ -17,9 +17,9 @@ IMPLEMENTED_ZERO_STAGES: FrozenSet[int] = frozenset({0, 1, 2, 3})
 
 #: Dotted key -> what the feature is. A planned key is accepted only at its default (disabled)
 #: value; any other value raises ConfigError. Object-valued blocks without a model here
-#: (``hybrid_engine``, ``tensor_parallel``, ...) count as disabled when they ask for nothing:
-#: ``{}``, ``"enabled": false`` (whatever settings come with it), every sub-block disabled, or
-#: for ``tensor_parallel`` a size of at most 1 (see ``_planned._block_disabled``).
+#: (``hybrid_engine``, ``data_efficiency``, ...) count as disabled when they ask for nothing:
+#: ``{}``, ``"enabled": false`` (whatever settings come with it), or every sub-block disabled
+#: (see ``_planned._block_disabled``).
 PLANNED: Dict[str, str] = {
     "zero_optimization.offload_optimizer.device": "offload to NVMe (cpu is supported)",
     "zero_optimization.offload_param.device": "offload to NVMe (cpu is supported)",
@@ -50,11 +50,8 @@ PLANNED: Dict[str, str] = {
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
     "checkpoint.writer": "the fast/decoupled checkpoint writers",
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer path",
-    "sequence_parallel_size": "sequence parallelism",
-    "data_parallel_size": "explicit device meshes (with sequence_parallel_size)",
     "seq_parallel_communication_data_type": "sequence parallelism",
     "use_data_before_expert_parallelism": "mixture-of-experts group topology",
-    "tensor_parallel": "tensor parallelism",
     "expert_parallel": "expert parallelism",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "data_efficiency": "data efficiency (curriculum sampling, random-LTD)",
@@ -86,7 +83,6 @@ PLANNED.update(STAGE_TUNING_KEYS)
 
 #: Values that count as disabled besides the default (the default is always accepted).
 _ALSO_DISABLED: Dict[str, Tuple[Any, ...]] = {
-    "sequence_parallel_size": (1,),
     "zero_optimization.offload_optimizer.device": ("cpu",),  # nvme is the planned part
     "zero_optimization.offload_param.device": ("cpu",),
 }
