@@ -157,9 +157,10 @@ API: List[Api] = [
     # top level: deepspeed.X, with the alias installed -> shardtrain.deepspeed.X
     Api("initialize", "differs",
         "same arguments, same `(engine, optimizer, dataloader, lr_scheduler)`; `args.deepspeed_config` "
-        "(or the deprecated `deepscale_config`), `config=` or `config_params=`. `mesh_param` and "
-        "`mpu` raise NotImplementedError (no sequence or model parallelism). Two configs at once "
-        "is a ValueError (DeepSpeed: AssertionError)"),
+        "(or the deprecated `deepscale_config`), `config=` or `config_params=`. `mpu=` brings the "
+        "caller's data- and model-parallel groups; `mesh_param` raises NotImplementedError (the "
+        "config's sizes build the mesh). Two configs at once is a ValueError (DeepSpeed: "
+        "AssertionError)"),
     Api("init_distributed", "supported",
         "DeepSpeed's signature; joins from torchrun's, SLURM's or OpenMPI's variables (no mpi4py), "
         "adopts an initialised group, a world of one without a launcher"),

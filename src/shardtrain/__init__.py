@@ -56,8 +56,13 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
         collate_fn: for the returned loader.
         config: a dict, a path to a JSON (or hjson) file, or base64 JSON (``config_params``
             is an alias).
-        mpu, mesh_param: DeepSpeed's model-parallel unit and device mesh; shardtrain has one
-            data-parallel group, so both must be None.
+        mpu: DeepSpeed's model-parallel unit, for a model whose layers the caller split
+            itself: an object with ``get_data_parallel_group()`` and
+            ``get_model_parallel_group()`` (torch process groups); ZeRO then shards over its
+            data-parallel group. Without it, the config's ``tensor_parallel`` and
+            ``sequence_parallel_size`` build the mesh (``engine.mpu`` exposes it).
+        mesh_param: DeepSpeed's device-mesh shape; the config's sizes say it here, so it
+            must be None.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; the last three may be None.
@@ -69,18 +74,19 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
     """
     if model is None:
         raise ValueError("initialize() needs model=: the torch.nn.Module to train.")
-    if mpu is not None:
-        raise NotImplementedError("initialize(mpu=...): model parallelism is not supported by "
-                                  "shardtrain; pass mpu=None.")
     if mesh_param is not None:
-        raise NotImplementedError("initialize(mesh_param=...): sequence and tensor parallelism "
-                                  "over a device mesh are not supported by shardtrain yet; pass "
-                                  "mesh_param=None (data parallelism over every rank).")
+        raise NotImplementedError("initialize(mesh_param=...): set the mesh in the config "
+                                  "instead (tensor_parallel.autotp_size, "
+                                  "sequence_parallel_size) and pass mesh_param=None.")
     config = _resolve_config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    cfg = config if isinstance(config, ShardConfig) else load_config(config, comm.get_world_size())
+    dp = mpu.get_data_parallel_world_size() if mpu is not None and \
+        hasattr(mpu, "get_data_parallel_world_size") else None
+    cfg = config if isinstance(config, ShardConfig) else \
+        load_config(config, comm.get_world_size(), data_parallel_world_size=dp)
     engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                    lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+                    lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+                    mpu=mpu)
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = engine.local_rank  # DeepSpeed overwrites it with the env value too
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

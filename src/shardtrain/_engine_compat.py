@@ -160,15 +160,19 @@ class DeepSpeedEngineAPI:
 
     def get_data_parallel_rank(self) -> int:
         """This rank in the data-parallel group."""
-        return self.global_rank
+        return self.mesh.dp.rank()
 
     def get_data_parallel_world_size(self) -> int:
         """Ranks in the data-parallel group."""
-        return self.world_size
+        return self.mesh.dp.size()
 
     def get_model_parallel_world_size(self) -> int:
-        """Always 1: there is no model parallelism."""
-        return 1
+        """Ranks each layer is split over (tensor parallelism; 1 without it)."""
+        return self.mesh.tp.size()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        """Ranks each sequence is split over (Ulysses; 1 without it)."""
+        return self.mesh.sp.size()
 
     @property
     def tput_timer(self) -> ThroughputTimer:

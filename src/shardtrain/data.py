@@ -93,6 +93,7 @@ class ShardedDataLoader:
         collate_fn: passed to ``DataLoader``.
         drop_last: drop the tail that does not fill a micro-batch on every rank.
         shuffle, seed: the sampler's order (the same on every rank).
+        transform: applied to each batch after collation (a sequence-parallel rank's slice).
 
     Example:
         >>> state = loader.state_dict()            # {"epoch": 0, "consumed": 120, ...}
@@ -101,8 +102,10 @@ class ShardedDataLoader:
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, rank: int, world_size: int,
                  collate_fn: Optional[Callable] = None, drop_last: bool = False,
-                 shuffle: bool = True, seed: int = 0, num_workers: int = 0):
+                 shuffle: bool = True, seed: int = 0, num_workers: int = 0,
+                 transform: Optional[Callable[[Any], Any]] = None):
         self.dataset = dataset
+        self._transform = transform
         self.micro_batch_size, self.world_size = micro_batch_size, world_size
         self.sampler = ResumableDistributedSampler(len(dataset), world_size, rank, shuffle,
                                                    seed, drop_last)
@@ -136,7 +139,7 @@ class ShardedDataLoader:
         # Counted as handed out, not as drawn from the sampler: DataLoader workers prefetch.
         for batch in batches:
             reading[1] = min(reading[1] + self._per_batch(), reading[2])
-            yield batch
+            yield batch if self._transform is None else self._transform(batch)
 
     def state_dict(self) -> Dict[str, Any]:
         """Where the next batch comes from: ``epoch`` and ``consumed``, the global position

@@ -25,6 +25,7 @@ from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
+from .parallel._assemble import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
 from .state import Phase, TrainingParts, TrainState
 from .telemetry import StepWatch, build_watch
@@ -48,7 +49,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, config: ShardConfig,
                  optimizer: OptimizerArg = None, model_parameters=None,
-                 lr_scheduler=None, training_data=None, collate_fn=None):
+                 lr_scheduler=None, training_data=None, collate_fn=None, mpu=None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"initialize(model=...) needs a torch.nn.Module, got "
@@ -79,7 +80,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
         self._precision = Precision.from_config(config, self.device.type)
         self._scaler: LossScaler = build_loss_scaler(config, self._precision)
+        self.mesh = build_mesh(config, mpu)
         self._build_module()
+        self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
         if not trainable:
             log_dist("the model has no trainable parameters (requires_grad is False everywhere): "
@@ -144,11 +147,13 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def _build_strategy(self, trainable: List[torch.nn.Parameter]) -> Strategy:
         cfg = self.config
-        averaging = ReduceSettings(self.world_size, cfg.gradient_allreduce_op,
+        # Gradients are averaged over the ranks that hold the same parameters: data- and
+        # sequence-parallel ones (a tensor-parallel rank's gradient is already its slice's whole).
+        averaging = ReduceSettings(self.mesh.zero.size(), cfg.gradient_allreduce_op,
                                    cfg.prescale_gradients, cfg.gradient_predivide_factor,
                                    cfg.comm_dtype())
         return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
-                              comm.WORLD)
+                              self.mesh.zero, self.mesh.tp if self.mesh.tp.size() > 1 else None)
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:
@@ -156,12 +161,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if not is_map_dataset(training_data):
             raise TypeError(f"training_data must be a map-style dataset (with __len__ and "
                             f"__getitem__), got {type(training_data).__name__}.")
+        # Ranks of one tensor- or sequence-parallel group read the same samples.
         loader = ShardedDataLoader(training_data, self.train_micro_batch_size_per_gpu(),
-                                   self.global_rank, self.world_size, collate_fn,
-                                   self.config.dataloader_drop_last)
+                                   self.mesh.dp.rank(), self.dp_world_size, collate_fn,
+                                   self.config.dataloader_drop_last,
+                                   transform=self._parallel.batch_transform)
         if len(loader) == 0:
             raise ValueError(_no_batches(len(training_data), self.train_micro_batch_size_per_gpu(),
-                                         self.world_size))
+                                         self.dp_world_size))
         return loader
 
     # -- forward ----------------------------------------------------------------------------
@@ -572,18 +579,27 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Changes the global batch by changing the accumulation steps (the micro-batch
-        stays); the new size must be a multiple of micro-batch x world size."""
-        unit = self.train_micro_batch_size_per_gpu() * self.world_size
+        stays); the new size must be a multiple of micro-batch x data-parallel ranks."""
+        unit = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if train_batch_size <= 0 or train_batch_size % unit:
             raise ValueError(f"set_train_batch_size({train_batch_size}): give a positive "
-                             f"multiple of train_micro_batch_size_per_gpu x world size = {unit}.")
+                             f"multiple of train_micro_batch_size_per_gpu x data-parallel "
+                             f"ranks = {unit}.")
         self.config.gradient_accumulation_steps = train_batch_size // unit
         self.config.train_batch_size = train_batch_size
 
     @property
     def dp_world_size(self) -> int:
-        """Ranks in the data-parallel group (DeepSpeed's attribute)."""
-        return self.world_size
+        """Ranks in the data-parallel group, that read different samples (DeepSpeed's
+        attribute): the world divided by the tensor- and sequence-parallel sizes."""
+        return self.mesh.dp.size()
+
+    @property
+    def mpu(self):
+        """DeepSpeed's model-parallel unit for the engine's mesh
+        (:class:`shardtrain.parallel.mpu.MeshMPU`: ``get_{model,data}_parallel_{rank,group,
+        world_size}()`` and the sequence-parallel ones); None with data parallelism alone."""
+        return self._parallel.mpu
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled global gradient norm before clipping at the last step (inf after an

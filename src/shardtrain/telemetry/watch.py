@@ -175,7 +175,7 @@ class StepWatch:
     def _record(self, seconds: float, times: Dict[str, float], ranks: List[List[float]]) -> Dict[str, Any]:
         engine, cfg = self.engine, self.engine.config
         counted = sum(r[1] for r in ranks)
-        tokens = sum(r[2] for r in ranks)
+        tokens = sum(r[2] for r in ranks) / self.engine.mesh.tp.size()  # a tp group shares its tokens
         lrs = engine.get_lr()
         record: Dict[str, Any] = {
             "step": engine.global_steps, "samples": engine.global_samples, "time": time.time(),
@@ -288,9 +288,12 @@ class StepWatch:
             out["lr"] = lrs[0]
         seconds = last.get("seconds")
         if seconds:
-            tokens = last["tokens"] * (1 if last.get("ranks") else self.engine.world_size)
+            # every rank of a tensor-parallel group reads the same tokens; sequence-parallel
+            # ranks each read their slice
+            sizes = self.engine.mesh.sizes
+            tokens = last["tokens"] * sizes["dp"] * sizes["sp"]
             if last.get("ranks"):
-                tokens = sum(r[2] for r in last["ranks"])
+                tokens = sum(r[2] for r in last["ranks"]) / sizes["tp"]
             if tokens:
                 out["tok_s"] = tokens / seconds
             else:

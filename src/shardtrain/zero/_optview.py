@@ -116,7 +116,7 @@ class OptimizerView:
             if grad is None:
                 tensor.grad = None
                 continue
-            self._split.append(getattr(p, "tp_split", None) is not None)
+            self._split.append(_is_tensor_parallel_slice(p))
             if grad.shape != tensor.shape:  # a flat shard of a parameter held whole
                 grad = grad.view(tensor.shape)
             if grad.dtype != tensor.dtype or grad.device != tensor.device:
@@ -165,6 +165,13 @@ class OptimizerView:
         for p, src, t in zip(self.params, self.sources, self.tensors):
             if t is not None and not _shares(t, src) and (wanted is None or id(p) in wanted):
                 t.view(-1).copy_(src)
+
+
+def _is_tensor_parallel_slice(p: torch.nn.Parameter) -> bool:
+    """A parameter each tensor-parallel rank holds a different slice of: split by AutoTP
+    (``tp_split``) or marked by Megatron-style layers."""
+    return getattr(p, "tp_split", None) is not None or \
+        bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
 
 
 def _shares(tensor: torch.Tensor, src: torch.Tensor) -> bool:

@@ -14,8 +14,10 @@ __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
 
 def DeepSpeedConfig(config, mpu=None, mesh_device=None) -> ShardConfig:  # noqa: N802 - DeepSpeed's name
-    """Loads and validates ``config`` (a dict, a JSON/hjson path or base64 JSON)."""
-    if mpu is not None or mesh_device is not None:
-        raise NotImplementedError("DeepSpeedConfig(mpu=..., mesh_device=...): model parallelism "
-                                  "is not supported by shardtrain; pass neither.")
-    return load_config(config, comm.get_world_size())
+    """Loads and validates ``config`` (a dict, a JSON/hjson path or base64 JSON); with an
+    ``mpu``, the batch arithmetic counts its data-parallel ranks."""
+    if mesh_device is not None:
+        raise NotImplementedError("DeepSpeedConfig(mesh_device=...): set the mesh in the config "
+                                  "(tensor_parallel.autotp_size, sequence_parallel_size) instead.")
+    dp = mpu.get_data_parallel_world_size() if mpu is not None else None
+    return load_config(config, comm.get_world_size(), data_parallel_world_size=dp)

@@ -1,0 +1,91 @@
+"""DeepSpeed's model-parallel unit (``mpu``): the process groups of a device mesh under the
+names DeepSpeed and Megatron-style code call.
+
+``engine.mpu`` is a :class:`MeshMPU` of the mesh the engine built (None with data parallelism
+alone, as in DeepSpeed). Its groups are torch ``ProcessGroup`` s, for code that calls
+``torch.distributed`` itself; "model parallel" means tensor parallel (there is no pipeline).
+A user's own ``mpu`` passed to ``initialize(mpu=...)`` is read by :func:`mesh_from_mpu`.
+
+Example:
+    >>> mpu = engine.mpu
+    >>> mpu.get_model_parallel_world_size(), mpu.get_data_parallel_rank()
+    (2, 0)
+    >>> torch.distributed.all_reduce(t, group=mpu.get_data_parallel_group())
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import comm
+
+__all__ = ["MeshMPU", "mesh_from_mpu"]
+
+
+class MeshMPU:
+    """The groups of ``mesh`` (a :class:`shardtrain.comm.Mesh`) as DeepSpeed's ``mpu``."""
+
+    def __init__(self, mesh: comm.Mesh):
+        self.mesh = mesh
+
+    # tensor (model) parallel
+    def get_model_parallel_group(self):
+        return self.mesh.tp.process_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mesh.tp.rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.mesh.tp.size()
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    # data parallel (the ranks that read different samples)
+    def get_data_parallel_group(self):
+        return self.mesh.dp.process_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.dp.rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.mesh.dp.size()
+
+    # sequence parallel, and the data x sequence group ZeRO shards over
+    def get_sequence_parallel_group(self):
+        return self.mesh.sp.process_group
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.mesh.sp.rank()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.mesh.sp.size()
+
+    def get_sequence_data_parallel_group(self):
+        return self.mesh.zero.process_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.mesh.zero.rank()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.mesh.zero.size()
+
+    def __repr__(self) -> str:
+        return f"MeshMPU({self.mesh!r})"
+
+
+_NEEDED = ("get_data_parallel_group", "get_model_parallel_group")
+
+
+def mesh_from_mpu(mpu: Any) -> comm.Mesh:
+    """The mesh of a user's ``mpu``: its data-parallel group, and its model-parallel group as
+    the tensor-parallel one (parameters flagged ``tensor_model_parallel`` or
+    ``model_parallel``, as Megatron-style layers mark them, are counted as slices in the
+    gradient norm)."""
+    missing = [name for name in _NEEDED if not callable(getattr(mpu, name, None))]
+    if missing:
+        raise TypeError(f"initialize(mpu=...) needs an object with DeepSpeed's "
+                        f"{', '.join(n + '()' for n in _NEEDED)}; {type(mpu).__name__} lacks "
+                        f"{', '.join(missing)}.")
+    return comm.Mesh.from_groups(dp=mpu.get_data_parallel_group(),
+                                 tp=mpu.get_model_parallel_group())
