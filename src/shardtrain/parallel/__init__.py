@@ -1,9 +1,16 @@
 """Model parallelism on a device mesh: tensor parallelism (AutoTP) and Ulysses sequence
 parallelism, composed with ZeRO's data parallelism by the engine.
 
-Tensor parallelism: every split parameter is a plain ``nn.Parameter`` holding this rank's
-slice and carries ``tp_split``, a :class:`SplitSpec` (:func:`is_tp_split` tells).
+Tensor parallelism: the layers of :mod:`.tensor` hold this rank's slice of their weights;
+every split parameter is a plain ``nn.Parameter`` and carries ``tp_split``, a
+:class:`SplitSpec` (:func:`is_tp_split` tells). The autograd functions that move
+activations in and out of the tensor-parallel group are exported for hand-written layers.
 """
 from ._layout import SplitSpec, is_tp_split
+from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
+from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                     vocab_parallel_cross_entropy)
 
-__all__ = ["SplitSpec", "is_tp_split"]
+__all__ = ["SplitSpec", "is_tp_split", "copy_to_group", "reduce_from_group", "gather_from_group",
+           "scatter_to_group", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
