@@ -1,16 +1,19 @@
 """Model parallelism on a device mesh: tensor parallelism (AutoTP) and Ulysses sequence
 parallelism, composed with ZeRO's data parallelism by the engine.
 
-Tensor parallelism: the layers of :mod:`.tensor` hold this rank's slice of their weights;
-every split parameter is a plain ``nn.Parameter`` and carries ``tp_split``, a
+Tensor parallelism: :func:`apply_autotp` splits a model in place by DeepSpeed's
+``tensor_parallel`` rules, with the layers of :mod:`.tensor`; every split parameter is a
+plain ``nn.Parameter`` holding this rank's slice and carries ``tp_split``, a
 :class:`SplitSpec` (:func:`is_tp_split` tells). The autograd functions that move
 activations in and out of the tensor-parallel group are exported for hand-written layers.
 """
 from ._layout import SplitSpec, is_tp_split
 from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
+from .autotp import TPEntry, TPPlan, apply_autotp
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      vocab_parallel_cross_entropy)
 
 __all__ = ["SplitSpec", "is_tp_split", "copy_to_group", "reduce_from_group", "gather_from_group",
            "scatter_to_group", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "apply_autotp", "TPPlan",
+           "TPEntry"]
