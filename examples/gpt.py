@@ -62,7 +62,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if cfg.n_embd % cfg.n_head != 0:
             raise ValueError("n_embd must be divisible by n_head")
+        # Heads are counted, and q/k/v viewed, by head: tensor parallelism divides n_head
+        # among the ranks and each rank's projections hold its heads only.
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.query = nn.Linear(cfg.n_embd, cfg.n_embd)
         # No key bias: it adds the same q.b to every score of a query, which the
@@ -74,12 +77,12 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = (lin(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        B, T, _ = x.shape
+        q, k, v = (lin(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for lin in (self.query, self.key, self.value))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_drop(self.proj(y))
 
 

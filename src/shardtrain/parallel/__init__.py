@@ -1,5 +1,30 @@
 """Model parallelism on a device mesh: tensor parallelism (AutoTP) and Ulysses sequence
 parallelism, composed with ZeRO's data parallelism by the engine.
-"""
 
-__all__: list = []
+Tensor parallelism: :func:`apply_autotp` splits a model in place by DeepSpeed's
+``tensor_parallel`` rules, with the layers of :mod:`.tensor`; every split parameter is a
+plain ``nn.Parameter`` holding this rank's slice and carries ``tp_split``, a
+:class:`SplitSpec` (:func:`is_tp_split` tells). The autograd functions that move
+activations in and out of the tensor-parallel group are exported for hand-written layers.
+
+Sequence parallelism: :func:`enable_ulysses` routes a Hugging Face model's attention
+through an all-to-all over the sequence-parallel group; :func:`shard_sequence` gives a rank
+its slice of a batch (the engine's loader applies it; call it on batches from a loader of
+your own).
+
+The engine does both from its config (``tensor_parallel``, ``sequence_parallel_size``);
+``engine.mpu`` (:class:`MeshMPU`) exposes the mesh's groups under DeepSpeed's names.
+"""
+from ._layout import SplitSpec, is_tp_split
+from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
+from .autotp import TPEntry, TPPlan, apply_autotp
+from .mpu import MeshMPU, mesh_from_mpu
+from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                     vocab_parallel_cross_entropy)
+from .ulysses import UlyssesPlan, enable_ulysses, shard_sequence
+
+__all__ = ["SplitSpec", "is_tp_split", "copy_to_group", "reduce_from_group", "gather_from_group",
+           "scatter_to_group", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "apply_autotp", "TPPlan",
+           "TPEntry", "UlyssesPlan", "enable_ulysses", "shard_sequence", "MeshMPU",
+           "mesh_from_mpu"]
