@@ -12,6 +12,9 @@ is gathered, so rank 0's host holds one tensor at a time, never the model. A ``t
 file cannot be written that way (a pickle needs every tensor at once), so rank 0 holds the
 whole model on the host for it.
 
+With tensor parallelism, a split parameter (``tp_split``) is also joined from the slices of
+its tensor-parallel group (one all-gather), so the names and shapes are the unsplit model's.
+
 Example:
     >>> for names, tensor in iter_full_weights(engine.module):   # on every rank
     ...     if rank == 0:
@@ -68,7 +71,28 @@ def iter_full_weights(module: torch.nn.Module, exclude: Iterable[str] = ()) -> I
         params = [t for _, t in group if is_partitioned(t)]
         with GatheredParameters(params):  # nothing to gather at stages 0-2
             for names, tensor in group:
-                yield names, tensor.detach()
+                yield names, _joined(tensor.detach(), tensor)
+
+
+def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a tensor-parallel slice (a collective over its group); any other
+    tensor as it is."""
+    spec = getattr(param, "tp_split", None)
+    if spec is None:
+        return value
+    group = param.tp_group
+    flat = torch.empty(group.size() * value.numel(), dtype=value.dtype, device=value.device)
+    comm.all_gather(flat, value.contiguous().view(-1), group=group)
+    return spec.join(list(flat.view(group.size(), *value.shape).unbind(0)))
+
+
+def full_shape(t: torch.Tensor) -> List[int]:
+    """The shape of the unsplit, unpartitioned tensor ``t`` is a slice or shard of."""
+    shape = list(getattr(t, "ds_shape", t.shape)) if is_partitioned(t) else list(t.shape)
+    spec = getattr(t, "tp_split", None)
+    if spec is not None:
+        shape[spec.dim] = spec.full_size
+    return shape
 
 
 def full_state_dict(module: torch.nn.Module, exclude: Iterable[str] = (),
@@ -114,8 +138,7 @@ def _plan(module: torch.nn.Module, entries: List[Entry]) -> Layout:
     plan = []
     for group in _by_module(module, entries):
         for names, t in group:
-            shape = list(getattr(t, "ds_shape", t.shape)) if is_partitioned(t) else list(t.shape)
-            plan += [(name, t.dtype, shape) for name in names]
+            plan += [(name, t.dtype, full_shape(t)) for name in names]
     return plan
 
 

@@ -41,17 +41,18 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "vocab_parallel_cross_entropy"]
 
 
-def _as_shard(tensor: torch.Tensor, spec: SplitSpec) -> nn.Parameter:
-    """``tensor`` (already this rank's shard) as a parameter marked with ``spec``."""
+def _as_shard(tensor: torch.Tensor, spec: SplitSpec, group: comm.Group) -> nn.Parameter:
+    """``tensor`` (already this rank's shard) as a parameter marked with ``spec`` and the
+    ``tp_group`` its slices are spread over (full weights and checkpoints join them)."""
     param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor)
-    param.tp_split = spec
+    param.tp_split, param.tp_group = spec, group
     return param
 
 
 def _shard_of(param: torch.Tensor, spec: SplitSpec, group: comm.Group) -> nn.Parameter:
     """This rank's shard of the full ``param``, as a new parameter marked with ``spec``."""
     shard = spec.shard(param.detach(), group.rank(), group.size())
-    return _as_shard(nn.Parameter(shard, requires_grad=param.requires_grad), spec)
+    return _as_shard(nn.Parameter(shard, requires_grad=param.requires_grad), spec, group)
 
 
 def _check_embedding_options(embedding: nn.Embedding) -> None:
@@ -101,8 +102,8 @@ class ColumnParallelLinear(nn.Module):
                              "features would come in rank order, not in the fused layout. "
                              "Leave the output split, or split a layer without fused parts.")
         self.group, self.spec, self.gather_output = group, spec, gather_output
-        self.weight = _as_shard(weight, spec)
-        self.bias = None if bias is None else _as_shard(bias, spec)
+        self.weight = _as_shard(weight, spec, group)
+        self.bias = None if bias is None else _as_shard(bias, spec, group)
         self.out_features, self.in_features = self.weight.shape
 
     @classmethod
@@ -163,7 +164,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear splits the input features (weight dim 1), "
                              f"got {spec}: use ColumnParallelLinear to split dim 0.")
         self.group, self.spec = group, spec
-        self.weight = _as_shard(weight, spec)
+        self.weight = _as_shard(weight, spec, group)
         self.bias = None if bias is None else (
             bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
         self.out_features, self.in_features = self.weight.shape
@@ -222,7 +223,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"VocabParallelEmbedding splits the vocabulary (dim 0, one part), "
                              f"got {spec}.")
         self.group, self.spec, self.padding_idx = group, spec, padding_idx
-        self.weight = _as_shard(weight, spec)
+        self.weight = _as_shard(weight, spec, group)
         self.num_embeddings, self.embedding_dim = self.weight.shape
         self.vocab_start = group.rank() * self.num_embeddings
         local_pad = None if padding_idx is None else padding_idx - self.vocab_start
