@@ -86,7 +86,7 @@ def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return spec.join(list(flat.view(group.size(), *value.shape).unbind(0)))
 
 
-def full_shape(t: torch.Tensor) -> List[int]:
+def _full_shape(t: torch.Tensor) -> List[int]:
     """The shape of the unsplit, unpartitioned tensor ``t`` is a slice or shard of."""
     shape = list(getattr(t, "ds_shape", t.shape)) if is_partitioned(t) else list(t.shape)
     spec = getattr(t, "tp_split", None)
@@ -138,7 +138,7 @@ def _plan(module: torch.nn.Module, entries: List[Entry]) -> Layout:
     plan = []
     for group in _by_module(module, entries):
         for names, t in group:
-            plan += [(name, t.dtype, full_shape(t)) for name in names]
+            plan += [(name, t.dtype, _full_shape(t)) for name in names]
     return plan
 
 
