@@ -76,7 +76,7 @@ def gpt_loss(model: Callable, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: int,
-          loss_of: Callable = hf_loss) -> Dict[str, Any]:
+          loss_of: Callable = hf_loss, **init: Any) -> Dict[str, Any]:
     """Trains through the engine; returns the losses, the batches read, the full weights."""
     seen: List[Dict[str, torch.Tensor]] = []
 
@@ -86,7 +86,7 @@ def train(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: int,
         return batch
 
     engine, *_ = shardtrain.initialize(model=build(), config=cfg, training_data=Tokens(),
-                                       collate_fn=collate)
+                                       collate_fn=collate, **init)
     batches = iter(engine.training_dataloader)
     losses, shapes = [], []
     for _ in range(steps * engine.gradient_accumulation_steps()):
@@ -128,10 +128,11 @@ def reference(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any],
 
 
 def compare(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: int = 2,
-            loss_of: Callable = hf_loss) -> Dict[str, Any]:
-    """This rank's training against the reference on the batches every replica read."""
+            loss_of: Callable = hf_loss, **init: Any) -> Dict[str, Any]:
+    """This rank's training against the reference on the batches every replica read
+    (``init``: more arguments for ``shardtrain.initialize``)."""
     try:
-        got = train(build, cfg, steps, loss_of)
+        got = train(build, cfg, steps, loss_of, **init)
     except Exception:  # every rank still meets the gather below, then all fail together
         comm.all_gather_object(None)
         raise
@@ -206,3 +207,205 @@ def tensor_parallel(rank: int, world_size: int, tp: int, stages=(0, 1, 2, 3)) ->
         functools.partial(llama_tp, tie_word_embeddings=True),
         config(2, tensor_parallel={**block, "partition_config": {"layer_specs": HEAD_SPECS}}))
     return run_cases(cases, rank, world_size)
+
+
+class EvenTokens(Tokens):
+    """Every token a target: every replica's loss is a mean over as many tokens, so the global
+    batch's loss is the same however the data-parallel ranks divide it."""
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+MESHES = {"dp4": {}, "dp2xtp2": {"tensor_parallel": {"autotp_size": 2}},
+          "tp4": {"tensor_parallel": {"autotp_size": 4}}, "dp2xsp2": {"sequence_parallel_size": 2}}
+
+
+def _mesh_config(mesh: str, stage: int, bf16: bool = False) -> Dict[str, Any]:
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+           "zero_optimization": {"stage": stage}, **MESHES[mesh],
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.002, "eps": 1e-6}}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _steps(engine, steps: int, batches=None) -> List[float]:
+    losses, batches = [], batches or iter(engine.training_dataloader)
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        loss = engine(**next(batches)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _engine(mesh: str, stage: int, bf16: bool = False):
+    build = functools.partial(llama, num_key_value_heads=4)  # tp 4 splits the kv heads too
+    engine, *_ = shardtrain.initialize(model=build(), config=_mesh_config(mesh, stage, bf16),
+                                       training_data=EvenTokens())
+    return engine
+
+
+def _global_losses(engine, losses: List[float]) -> List[float]:
+    """Per optimizer step, the loss of the global batch (the mean over replicas and
+    micro-steps: every replica's loss covers as many tokens)."""
+    gas = engine.gradient_accumulation_steps()
+    per_step = torch.tensor(losses).view(-1, gas).mean(1)
+    comm.all_reduce(per_step, "avg")  # tensor- and sequence-parallel ranks hold their group's
+    return per_step.tolist()
+
+
+def resume_on_another_mesh(rank: int, world_size: int, save_dir: str, pairs, stages=(1, 3)
+                           ) -> Dict[str, Any]:
+    """Trains 2 steps on mesh A and saves, trains 2 more (the uninterrupted run); mesh B loads
+    the checkpoint and trains the same 2 steps: its losses and weights must be A's. The files
+    hold the unsplit model: ``full_weights`` (what ``consolidate`` writes) needs no mesh."""
+    from shardtrain.checkpoint import full_weights
+    out: Dict[str, Any] = {}
+    for a, b in pairs:
+        for stage in stages:
+            name = f"{a}->{b}@{stage}"
+            tag = name.replace(">", "").replace("@", "_s")
+            first = _engine(a, stage)
+            batches = iter(first.training_dataloader)
+            _steps(first, 2, batches)
+            first.save_checkpoint(save_dir, tag=tag)
+            saved = {k: v.float().clone() for k, v in full_state_dict(first.module, rank=None).items()}
+            after = _global_losses(first, _steps(first, 2, batches))
+            want = {k: v.float().clone() for k, v in full_state_dict(first.module, rank=None).items()}
+            first.destroy()
+            second = _engine(b, stage)
+            second.load_checkpoint(save_dir, tag=tag)
+            got_losses = _global_losses(second, _steps(second, 2))
+            got = {k: v.float() for k, v in full_state_dict(second.module, rank=None).items()}
+            second.destroy()
+            out[name] = {"loss_err": max(abs(x - y) for x, y in zip(after, got_losses)),
+                         "weight_err": max((got[k] - v).abs().max().item() for k, v in want.items()),
+                         "names": sorted(got) == sorted(want), "losses": (after, got_losses)}
+            if rank == 0:
+                files = full_weights(save_dir, tag=tag)
+                out[name]["consolidated"] = sorted(files) == sorted(saved) and max(
+                    (files[k].float() - v).abs().max().item() for k, v in saved.items()) < 1e-7
+    return out
+
+
+# -- the mesh's contract: refusals, bytes per rank, a user's groups, bf16 ----------------------
+
+def _refusal(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], **init: Any) -> Dict[str, Any]:
+    """The error ``initialize`` raises, and whether the model it was given is left as it was."""
+    model = build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        shardtrain.initialize(model=model, config=cfg, **init)
+    except Exception as err:  # the message the user reads
+        after = model.state_dict()
+        untouched = sorted(after) == sorted(before) and all(
+            torch.equal(after[k], v) for k, v in before.items())
+        return {"error": f"{type(err).__name__}: {err}", "untouched": untouched}
+    return {"error": None}
+
+
+class UserMPU:
+    """A user's own groups, DeepSpeed's ``mpu`` interface: model-parallel pairs of adjacent
+    ranks, data-parallel ranks across them."""
+
+    def __init__(self, rank: int, world_size: int, tp: int = 2):
+        import torch.distributed as dist
+        self._tp, self._dp = tp, world_size // tp
+        for first in range(0, world_size, tp):
+            group = dist.new_group(list(range(first, first + tp)))
+            if first <= rank < first + tp:
+                self.model = group
+        for offset in range(tp):
+            group = dist.new_group(list(range(offset, world_size, tp)))
+            if rank % tp == offset:
+                self.data = group
+        self._rank = rank
+
+    def get_model_parallel_group(self):
+        return self.model
+
+    def get_model_parallel_rank(self) -> int:
+        return self._rank % self._tp
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._tp
+
+    def get_data_parallel_group(self):
+        return self.data
+
+    def get_data_parallel_rank(self) -> int:
+        return self._rank // self._tp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._dp
+
+
+def _param_bytes(mesh: str, stage: int) -> Dict[str, Any]:
+    """The parameter bytes this rank holds against the formula: each split weight holds 1/tp
+    of its elements; stage 3 keeps an even shard (padded to ``chunk_size``) over the
+    data-parallel x sequence-parallel group of every parameter above the persistence
+    threshold."""
+    from shardtrain.zero._shards import chunk_size
+    cfg = _mesh_config(mesh, stage)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 4096  # the norms stay whole
+    engine, *_ = shardtrain.initialize(model=llama(num_key_value_heads=4), config=cfg)
+    full = {n: p.numel() for n, p in llama(num_key_value_heads=4).named_parameters()}
+    tp = engine.mesh.sizes["tp"]
+    zero = engine.mesh.zero.size()
+    threshold = engine.config.zero_optimization.param_persistence_threshold
+    split = sorted(n for n, p in engine.module.named_parameters() if hasattr(p, "tp_split"))
+    want = 0
+    for name, n in full.items():
+        local = n // tp if name in split else n
+        want += chunk_size(local, zero) if stage == 3 and local > threshold else local
+    got = engine.model_state_bytes()["params"]
+    engine.destroy()
+    return {"got": got, "want": want * 4, "split": split, "full": sum(full.values()) * 4}
+
+
+def mesh_contract(rank: int, world_size: int) -> Dict[str, Any]:
+    """On 4 ranks: the mistakes ``initialize`` refuses, the parameter bytes per rank for
+    each mesh, a user's own groups through ``mpu=``, and bf16 on tensor- and
+    sequence-parallel meshes."""
+    llama_tp4 = functools.partial(llama, num_key_value_heads=4)
+    gpt_specs = {"autotp_size": 2, "partition_config": {"layer_specs": GPT_SPECS}}
+    cases: Dict[str, Callable] = {
+        "world": lambda r, w: _refusal(llama, config(1, tensor_parallel={"autotp_size": 3})),
+        "tp_heads": lambda r, w: _refusal(llama, config(1, tensor_parallel={"autotp_size": 4})),
+        "sp_heads": lambda r, w: _refusal(functools.partial(llama, num_attention_heads=2,
+                                                            num_key_value_heads=2),
+                                          config(1, sequence_parallel_size=4)),
+        "unmatched": lambda r, w: _refusal(gpt, config(1, tensor_parallel={
+            "autotp_size": 2, "partition_config": {"layer_specs": [
+                {"patterns": [r".*\.attention\.q\.weight$"], "partition_type": "column"}]}})),
+        "not_splittable": lambda r, w: _refusal(gpt, config(1, tensor_parallel={
+            "autotp_size": 2, "partition_config": {"layer_specs": [
+                {"patterns": [r".*\.ln1\.weight$"], "partition_type": "column"}]}})),
+        "mpu_and_tp": lambda r, w: _refusal(gpt, config(1, tensor_parallel=gpt_specs),
+                                            mpu=UserMPU(r, w)),
+    }
+    for mesh in ("dp4", "dp2xtp2", "tp4", "dp2xsp2"):
+        for stage in (0, 3):
+            cases[f"bytes_{mesh}_{stage}"] = (lambda r, w, m=mesh, s=stage: _param_bytes(m, s))
+    for stage in (1, 3):
+        cases[f"mpu_stage{stage}"] = (lambda r, w, s=stage: {
+            **compare(gpt, config(s), loss_of=gpt_loss, mpu=UserMPU(r, w)),
+            "mpu": _mpu_view(UserMPU(r, w))})
+    bf16 = {"bf16": {"enabled": True}}
+    cases["bf16_dp2xtp2"] = lambda r, w: compare(llama_tp4, config(
+        2, tensor_parallel={"autotp_size": 2}, **bf16))
+    cases["bf16_dp2xsp2"] = lambda r, w: compare(llama, config(2, sequence_parallel_size=2, **bf16))
+    return run_cases(cases, rank, world_size)
+
+
+def _mpu_view(mpu: UserMPU) -> Dict[str, int]:
+    """What the engine built from a user's groups reports through ``engine.mpu``."""
+    engine, *_ = shardtrain.initialize(model=gpt(), config=config(1), mpu=mpu)
+    got = {name: getattr(engine.mpu, f"get_{name}")() for name in (
+        "model_parallel_rank", "model_parallel_world_size", "data_parallel_rank",
+        "data_parallel_world_size")}
+    got["dp_world_size"] = engine.dp_world_size
+    engine.destroy()
+    return got

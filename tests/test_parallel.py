@@ -57,3 +57,109 @@ def test_a_vocabulary_parallel_head_trains_exactly(tensor, case):
     """The head split over the vocabulary (tied to the input embedding or not): the loss is
     computed from each rank's logits slice without gathering the vocabulary."""
     _check(tensor[2], case)
+
+
+PAIRS = [("dp2xtp2", "dp4"), ("dp2xsp2", "dp4"), ("tp4", "dp2xtp2"), ("dp4", "dp2xsp2")]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("mesh-ckpt"))
+    return run_ranks("cases_parallel:resume_on_another_mesh", 4, timeout=400, save_dir=save_dir,
+                     pairs=PAIRS)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+def test_a_checkpoint_resumes_exactly_on_another_mesh(resumed, pair, stage):
+    """TP 2 -> 1 (dp2 x tp2 -> dp4), SP 2 -> 1 (dp2 x sp2 -> dp4), TP 4 -> dp2 x tp2 and back
+    to a mesh from plain data parallelism: the resumed run's losses and full weights are the
+    uninterrupted run's."""
+    name = f"{pair[0]}->{pair[1]}@{stage}"
+    for rank, got in enumerate(resumed):
+        case = got[name]
+        assert case["names"], rank
+        assert case["loss_err"] < 2e-5, (rank, case["losses"])
+        assert case["weight_err"] < 2e-5, (rank, case["weight_err"])
+    assert resumed[0][name]["consolidated"]
+
+
+@pytest.fixture(scope="module")
+def contract():
+    return run_ranks("cases_parallel:mesh_contract", 4, timeout=300)
+
+
+REFUSALS = {
+    "world": "ConfigError: world size 4 is not divisible by tensor_parallel.autotp_size 3 x "
+             "sequence_parallel_size 1 = 3: launch a multiple of 3 ranks, or choose sizes whose "
+             "product divides 4.",
+    "tp_heads": "ValueError: model.layers.0.self_attn.config.num_key_value_heads is 2: 2 heads "
+                "cannot be split over 4 tensor-parallel ranks; choose a tensor-parallel size "
+                "that divides 2.",
+    "sp_heads": "ValueError: the model has 2 attention heads (num_attention_heads), not "
+                "divisible by the sequence-parallel size 4: use a sequence_parallel_size among "
+                "[1, 2].",
+    "unmatched": "ValueError: tensor_parallel.partition_config.layer_specs[0]: pattern "
+                 "'.*\\\\.attention\\\\.q\\\\.weight$' matches no parameter of GPT (names look "
+                 "like tok_emb.weight, pos_emb.weight, blocks.0.ln1.weight, blocks.0.ln1.bias): "
+                 "fix the pattern; it is matched with re.match against full parameter names.",
+    "not_splittable": "ValueError: blocks.0.ln1.weight (32,) belongs to LayerNorm blocks.0.ln1, "
+                      "not to an nn.Linear or nn.Embedding: other parameters are split only "
+                      "when all of their module's parameters (weight, bias) are, with both a "
+                      "column and a row spec (fused experts). Change the pattern so that it "
+                      "does not match it, or make it a 'skip' spec.",
+    "mpu_and_tp": "ValueError: initialize(mpu=...) brings its own groups, but the config also "
+                  "asks for tensor_parallel size 2 and sequence_parallel_size 1: keep one of "
+                  "them.",
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_initialize_refuses_a_bad_mesh_with_the_number_and_the_fix(contract, name):
+    """A world the sizes do not divide, heads the tensor- or sequence-parallel size does not
+    divide, a pattern that matches nothing, a layer that cannot be split, an mpu with a
+    mesh of its own: every rank raises the same message, and the model it was given is
+    left as it was."""
+    for rank, got in enumerate(contract):
+        assert got[name] == {"error": REFUSALS[name], "untouched": True}, rank
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("mesh", ["dp4", "dp2xtp2", "tp4", "dp2xsp2"])
+def test_parameter_bytes_per_rank_follow_the_mesh(contract, mesh, stage):
+    """A tensor-parallel rank holds 1/tp of each split weight (the llama preset splits the
+    attention and MLP projections); stage 3 shards what is left over the data- x
+    sequence-parallel ranks."""
+    tp = {"dp4": 1, "dp2xtp2": 2, "tp4": 4, "dp2xsp2": 1}[mesh]
+    for rank, got in enumerate(contract):
+        case = got[f"bytes_{mesh}_{stage}"]
+        assert "error" not in case, case.get("error")
+        assert case["got"] == case["want"], (rank, case)
+        assert len(case["split"]) == (14 if tp > 1 else 0)  # 7 projections x 2 layers
+        if stage == 0:
+            assert case["got"] < case["full"] or tp == 1
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_users_own_groups_through_mpu_train_exactly(contract, stage):
+    """initialize(mpu=...) with model-parallel pairs of adjacent ranks and data-parallel ranks
+    across them: gradients are averaged over the data-parallel group only, each pair reads
+    the same samples, and training matches one process on the global batch."""
+    _check(contract, f"mpu_stage{stage}")
+    for rank, got in enumerate(contract):
+        assert got[f"mpu_stage{stage}"]["mpu"] == {
+            "model_parallel_rank": rank % 2, "model_parallel_world_size": 2,
+            "data_parallel_rank": rank // 2, "data_parallel_world_size": 2, "dp_world_size": 2}
+
+
+@pytest.mark.parametrize("mesh", ["dp2xtp2", "dp2xsp2"])
+def test_bf16_on_a_mesh_tracks_the_fp32_reference(contract, mesh):
+    """bf16 weights with fp32 masters: the losses and the clipped global norm stay within
+    bf16's resolution of the fp32 single-process run."""
+    for rank, got in enumerate(contract):
+        case = got[f"bf16_{mesh}"]
+        assert "error" not in case, case.get("error")
+        assert case["same_in_group"]
+        assert case["loss_err"] < 2e-3, (rank, case["loss_err"])
+        got_norm, want_norm = case["norms"]
+        assert abs(got_norm - want_norm) < 1e-2 * want_norm, (rank, case["norms"])

@@ -672,7 +672,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             dataloader=self.training_dataloader, train_state=self.train_state,
             precision=self._precision, config=self.config,
             zero_stage=self._strategy.stage,
-            gradient_accumulation_steps=self.gradient_accumulation_steps(), device=self.device)
+            gradient_accumulation_steps=self.gradient_accumulation_steps(), device=self.device,
+            mesh=self.mesh)
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this rank holds: parameters, gradients, optimizer states

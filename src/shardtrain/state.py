@@ -83,6 +83,9 @@ class TrainingParts:
         zero_stage: the ZeRO stage.
         gradient_accumulation_steps: the current value.
         device: where the model lives.
+        mesh: the device mesh (:class:`shardtrain.comm.Mesh`): the data-parallel group the
+            optimizer's slices are spread over, and the tensor-parallel one of ``tp_split``
+            parameters.
     """
 
     module: torch.nn.Module
@@ -97,3 +100,4 @@ class TrainingParts:
     zero_stage: int
     gradient_accumulation_steps: int
     device: torch.device
+    mesh: Any = None

@@ -9,15 +9,22 @@ other module of the package goes through its functions.
 Stages 0-2 keep every module parameter whole on every rank. Stage 3 keeps only a shard of a
 partitioned parameter (the full shape in ``ds_shape``), which is exactly the even shard a rank
 file holds; any other range is gathered (a collective: every rank asks for it).
+
+On a device mesh a parameter may also be a tensor-parallel slice (``tp_split``). A checkpoint
+always describes the unsplit model (:func:`shape`, :func:`numel`), so it loads on any mesh;
+this rank's own tensor is the *local* one (:func:`local_numel`, :func:`param_range`), and
+:mod:`._mesh_values` moves between the two.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import comm
 from ..log import logger
 from ..state import TrainingParts
 from ..zero._params import GatheredParameters, is_partitioned
@@ -26,7 +33,8 @@ from ._format import dtype_name
 
 
 __all__ = [
-    "Trainable", "shape", "numel", "own_shard", "param_range", "set_param", "set_shard",
+    "Trainable", "shape", "numel", "local_numel", "tp_split", "plain_layout", "any_tp_split",
+    "zero_group", "own_shard", "param_range", "set_param", "set_shard",
     "named_params", "named_buffers", "trainables", "aliases", "any_partitioned",
     "zero_stage", "check_stage", "async_save", "global_steps", "counters", "restore_counters",
     "tag_validation", "config_dict", "model_config", "precision", "optimizer", "lr_scheduler",
@@ -37,11 +45,28 @@ __all__ = [
 # -- parameters and buffers ---------------------------------------------------------------------
 
 def shape(p: torch.Tensor) -> List[int]:
-    return list(getattr(p, "ds_shape", p.shape))
+    """The unsplit parameter's shape (whatever stage 3 or tensor parallelism holds of it)."""
+    local = list(getattr(p, "ds_shape", p.shape))
+    spec = getattr(p, "tp_split", None)
+    if spec is not None:
+        local[spec.dim] = spec.full_size
+    return local
 
 
 def numel(p: torch.Tensor) -> int:
+    """The unsplit parameter's element count."""
+    return math.prod(shape(p))
+
+
+def local_numel(p: torch.Tensor) -> int:
+    """The element count of this rank's tensor-parallel slice (the parameter itself without
+    tensor parallelism), before stage 3 partitions it."""
     return int(getattr(p, "ds_numel", p.numel()))
+
+
+def tp_split(p: torch.Tensor):
+    """The parameter's :class:`~shardtrain.parallel.SplitSpec`, or None when it is whole."""
+    return getattr(p, "tp_split", None)
 
 
 def own_shard(p: torch.Tensor) -> Optional[Tuple[int, int]]:
@@ -52,7 +77,7 @@ def own_shard(p: torch.Tensor) -> Optional[Tuple[int, int]]:
 
 
 def param_range(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of the full flattened parameter (a view where possible)."""
+    """Elements [lo, hi) of this rank's flattened (local) parameter (a view where possible)."""
     own = own_shard(p)
     if own is None:
         return p.detach().reshape(-1)[lo:hi]
@@ -64,8 +89,8 @@ def param_range(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 @torch.no_grad()
 def set_param(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Writes the full parameter ``full`` (1-D, any dtype) into the module (at stage 3,
-    into this rank's shard of it)."""
+    """Writes this rank's whole (local) parameter ``full`` (1-D, any dtype) into the module
+    (at stage 3, into this rank's shard of it)."""
     own = own_shard(p)
     if own is None:
         p.data.copy_(full.reshape(p.shape))
@@ -90,6 +115,7 @@ class Trainable:
     hi: int
     tensor: Optional[torch.Tensor]  # the optimizer's tensor (None when the slice is empty)
     is_copy: bool    # the optimizer updates a copy of the slice: a load must set it too
+    sharded: bool = False  # [lo, hi) is this rank's even shard over the data-parallel group
 
     @property
     def has_master(self) -> bool:
@@ -109,8 +135,26 @@ def named_buffers(parts: TrainingParts) -> List[Tuple[str, torch.Tensor]]:
 
 def trainables(parts: TrainingParts) -> Dict[str, Trainable]:
     slots = {id(slot.param): slot for slot in parts.slots}
-    return {name: Trainable(name, p, slot.lo, slot.hi, slot.tensor, slot.is_copy)
+    return {name: Trainable(name, p, slot.lo, slot.hi, slot.tensor, slot.is_copy, slot.sharded)
             for name, p in named_params(parts) for slot in [slots.get(id(p))] if slot is not None}
+
+
+def plain_layout(parts: TrainingParts) -> bool:
+    """Whether this rank's optimizer slices are the checkpoint's even shards over the world:
+    no tensor-parallel slice, and the optimizer's slices spread over every rank (not a
+    data-parallel group of a mesh)."""
+    mesh = parts.mesh
+    spread = mesh is None or mesh.zero.size() == comm.get_world_size()
+    return spread and not any_tp_split(parts)
+
+
+def any_tp_split(parts: TrainingParts) -> bool:
+    return any(tp_split(p) is not None for p in parts.module.parameters())
+
+
+def zero_group(parts: TrainingParts) -> comm.Group:
+    """The group the optimizer's slices are spread over."""
+    return parts.mesh.zero if parts.mesh is not None else comm.WORLD
 
 
 def aliases(parts: TrainingParts) -> Dict[str, str]:

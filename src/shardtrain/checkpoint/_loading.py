@@ -23,6 +23,7 @@ from ..state import TrainingParts
 from ..log import logger
 from . import _background as background
 from . import _engine_state as engine_state
+from . import _mesh_values as mesh
 from ._agreement import Problem, agree, capture, corrupted
 from ._applying import Loaded, LoadOptions, apply
 from ._client_state import unpickle_objects
@@ -151,9 +152,11 @@ def _read_module(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
         own = engine_state.own_shard(p)
         if own is not None:  # only this rank's shard: a rank never holds the whole model
             lo, hi = own
-            loaded.shards[name] = reader.read(key, entry_for(entry, key), lo, hi).to(p.dtype)
+            loaded.shards[name] = mesh.read_local(reader, key, entry_for(entry, key), p, lo,
+                                                  hi).to(p.dtype)
             continue
-        full = reader.read(key, entry_for(entry, key), 0, engine_state.numel(p))
+        full = mesh.read_local(reader, key, entry_for(entry, key), p, 0,
+                               engine_state.local_numel(p))
         loaded.params[name] = full.to(p.dtype)
     for name, b in engine_state.named_buffers(parts):
         if name in meta["buffers"]:
@@ -201,8 +204,8 @@ def _read_optimizer(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
             continue
         if t.has_master:
             key = f"master/{name}" if entry.get("master") else f"param/{name}"
-            loaded.masters[name] = reader.read(key, entry_for(entry, key), t.lo, t.hi,
-                                               ).to(torch.float32)
+            loaded.masters[name] = mesh.read_local(reader, key, entry_for(entry, key), t.param,
+                                                   t.lo, t.hi).to(torch.float32)
         state = entry.get("state")
         if state is not None:
             loaded.states[name] = _read_state(parts, reader, name, entry, t)
@@ -214,7 +217,8 @@ def _read_state(parts: TrainingParts, reader: Reader, name: str, entry: Dict[str
     on_device = bool(group.get("capturable") or group.get("fused")) if group else False
     state: Dict[str, Any] = {}
     for key, dtype in entry["state"]["tensors"].items():
-        value = reader.read(f"optim/{name}/{key}", dict(entry, dtype=dtype), t.lo, t.hi)
+        value = mesh.read_local(reader, f"optim/{name}/{key}", dict(entry, dtype=dtype),
+                                t.param, t.lo, t.hi)
         if value.is_floating_point():  # as torch's Optimizer.load_state_dict does
             value = value.to(t.tensor.dtype)
         state[key] = value.reshape(t.tensor.shape).to(t.tensor.device)

@@ -7,7 +7,8 @@ refusal on any rank leaves the disk as it was.
 Each rank stages its even shard ``shard_range(numel, world, rank)`` of every trainable
 parameter, of its fp32 master (16-bit modes) and of each per-element optimizer state; rank 0
 also the frozen parameters and persistent buffers whole, and meta.json. Every rank stages its
-RNG states and its own client_state.
+RNG states and its own client_state. On a device mesh the shards are cut from the unsplit
+tensors (:mod:`._mesh_values`), so the files are the same whatever mesh wrote them.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .. import comm
 from ..state import TrainingParts
 from ..zero._shards import shard_range
 from . import _engine_state as engine_state
+from . import _mesh_values as mesh
 from ._client_state import pickle_objects, split_client_state
 from ._engine_state import Trainable
 from ._format import encode
@@ -70,13 +72,17 @@ def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
     rank, world = comm.get_rank(), comm.get_world_size()
     tensors: Dict[str, torch.Tensor] = {}
     ranges: Dict[str, List[int]] = {}
+    plain = engine_state.plain_layout(parts)
+    keys = {} if plain else mesh.state_keys(parts, trainables)
     for t in trainables.values():
-        shard = _trainable_shard(parts, t, world, rank)
+        shard = _trainable_shard(parts, t, world, rank) if plain else \
+            _trainable_shard_on_mesh(parts, t, keys.get(t.name, {}))
         tensors.update(shard)
         lo, hi = shard_range(engine_state.numel(t.param), world, rank)
         ranges.update({key: [lo, hi] for key in shard})
-    # A frozen partitioned parameter is gathered: a collective that every rank joins.
-    if rank == 0 or engine_state.any_partitioned(parts):
+    # A frozen partitioned or tensor-parallel parameter is gathered: a collective that every
+    # rank joins.
+    if rank == 0 or engine_state.any_partitioned(parts) or engine_state.any_tp_split(parts):
         whole = _whole_tensors(parts, trainables, exclude_frozen)
         if rank == 0:
             tensors.update(whole)
@@ -107,6 +113,23 @@ def _trainable_shard(parts: TrainingParts, t: Trainable, world: int,
     return out
 
 
+def _trainable_shard_on_mesh(parts: TrainingParts, t: Trainable,
+                             keys: Dict[str, torch.dtype]) -> Dict[str, torch.Tensor]:
+    """This rank's even shard of the unsplit parameter, master and per-element states, each
+    rebuilt from the mesh's slices (collectives every rank joins, whatever its shard)."""
+    group, device, p = engine_state.zero_group(parts), parts.device, t.param
+    values = {f"param/{t.name}": mesh.local_param(p)}
+    if p.dtype != torch.float32:  # an fp32 master on every rank that holds a slice
+        values[f"master/{t.name}"] = mesh.whole_local(t.tensor, t, group, torch.float32, device)
+    opt = engine_state.optimizer(parts)
+    state = opt.state.get(t.tensor, {}) if opt is not None and t.tensor is not None else {}
+    for key, dtype in keys.items():
+        values[f"optim/{t.name}/{key}"] = mesh.whole_local(state.get(key), t, group, dtype,
+                                                           device)
+    out = {name: mesh.even_shard(mesh.unsplit(local, p)).clone() for name, local in values.items()}
+    return {name: value for name, value in out.items() if value.numel()}
+
+
 def _whole_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
                    exclude_frozen: bool) -> Dict[str, torch.Tensor]:
     """Frozen parameters and buffers, written whole by rank 0."""
@@ -114,8 +137,8 @@ def _whole_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
     if not exclude_frozen:
         for name, p in engine_state.named_params(parts):
             if name not in trainables:
-                out[f"param/{name}"] = engine_state.param_range(p, 0,
-                                                                engine_state.numel(p))
+                local = engine_state.param_range(p, 0, engine_state.local_numel(p))
+                out[f"param/{name}"] = mesh.unsplit(local, p)
     for name, b in engine_state.named_buffers(parts):
         out[f"buffer/{name}"] = b.detach().reshape(-1)
     return out

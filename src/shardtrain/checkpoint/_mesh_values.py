@@ -1,0 +1,105 @@
+"""Between this rank's tensors and the unsplit model a checkpoint describes, on a device mesh.
+
+A checkpoint holds every tensor of the unsplit model, cut into even shards over the saving
+world, so it loads on any mesh. Without a mesh a rank's optimizer slice *is* its even shard
+(:mod:`._staging` writes it as it is). On a mesh it is not: the optimizer's slices are spread
+over the data-parallel group only, and a tensor-parallel parameter (``tp_split``) is one slice
+of the unsplit tensor. Saving then rebuilds each unsplit tensor, one at a time, with two
+all-gathers (over the data-parallel group, then the tensor-parallel one) and keeps this rank's
+even shard of it; loading reads the unsplit tensor and keeps this rank's slice.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from .. import comm
+from ..zero._params import GatheredParameters, is_partitioned
+from ..zero._shards import chunk_size, shard_range
+from . import _engine_state as engine_state
+from ._engine_state import Trainable
+from ._manifest import elementwise
+
+__all__ = ["unsplit", "local_of", "whole_local", "local_param", "state_keys", "read_local",
+           "even_shard"]
+
+
+def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The unsplit flattened tensor, from this rank's whole local flattened one (an all-gather
+    over the tensor-parallel group of a ``tp_split`` parameter; every rank of it calls)."""
+    spec = engine_state.tp_split(p)
+    if spec is None:
+        return local
+    group: comm.Group = p.tp_group
+    shape = list(getattr(p, "ds_shape", p.shape))
+    flat = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(flat, local.contiguous().view(-1), group=group)
+    return spec.join(list(flat.view(group.size(), *shape).unbind(0))).reshape(-1)
+
+
+def local_of(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's local flattened tensor, from the unsplit flattened one."""
+    spec = engine_state.tp_split(p)
+    if spec is None:
+        return full
+    group: comm.Group = p.tp_group
+    whole = full.view(engine_state.shape(p))
+    return spec.shard(whole, group.rank(), group.size()).reshape(-1)
+
+
+def whole_local(mine: Optional[torch.Tensor], t: Trainable, group: comm.Group,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This rank's whole local flattened tensor of a per-element optimizer value, from the
+    even slices ``[lo, hi)`` the ranks of the data-parallel ``group`` hold (an all-gather when
+    they are slices; every rank of the group calls, holding a slice or not)."""
+    n = engine_state.local_numel(t.param)
+    if not t.sharded:
+        return mine.detach().reshape(-1).to(device)
+    size = group.size()
+    c = chunk_size(n, size)
+    row = torch.zeros(c, dtype=dtype, device=device)
+    if mine is not None and t.hi > t.lo:
+        row[: t.hi - t.lo].copy_(mine.detach().reshape(-1))
+    rows = torch.empty(size * c, dtype=dtype, device=device)
+    comm.all_gather(rows, row, group=group)
+    return rows[:n]
+
+
+def local_param(p: torch.Tensor) -> torch.Tensor:
+    """This rank's whole local flattened parameter (at stage 3, gathered over its group: a
+    collective)."""
+    if not is_partitioned(p):
+        return p.detach().reshape(-1)
+    with GatheredParameters([p]):
+        return p.ds_full.detach().reshape(-1).clone()
+
+
+def state_keys(parts, trainables: Dict[str, Trainable]) -> Dict[str, Dict[str, torch.dtype]]:
+    """Each trainable's per-element optimizer states, as any rank holds them (a rank whose
+    slice of a parameter is empty holds none, yet must join the gathers)."""
+    opt = engine_state.optimizer(parts)
+    mine: Dict[str, Dict[str, str]] = {}
+    for name, t in trainables.items():
+        state = opt.state.get(t.tensor, {}) if opt is not None and t.tensor is not None else {}
+        mine[name] = {k: str(v.dtype) for k, v in state.items() if elementwise(v, t.tensor)}
+    merged: Dict[str, Dict[str, torch.dtype]] = {}
+    for seen in comm.all_gather_object(mine):
+        for name, keys in seen.items():
+            for key, dtype in keys.items():
+                merged.setdefault(name, {})[key] = getattr(torch, dtype.split(".")[-1])
+    return merged
+
+
+def read_local(reader, key: str, entry: Dict, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of this rank's local flattened tensor ``key``: a range of the
+    saved tensor, or (for a ``tp_split`` parameter) this rank's slice of the whole of it."""
+    if engine_state.tp_split(p) is None:
+        return reader.read(key, entry, lo, hi)
+    return local_of(reader.read(key, entry, 0, engine_state.numel(p)), p)[lo:hi]
+
+
+def even_shard(full: torch.Tensor) -> torch.Tensor:
+    """This rank's even shard over the world of an unsplit flattened tensor."""
+    lo, hi = shard_range(full.numel(), comm.get_world_size(), comm.get_rank())
+    return full[lo:hi]
