@@ -35,3 +35,16 @@ def gpt(preset: str = "demo", **overrides: Any) -> _gpt.GPT:
     """A GPT from a preset ("tiny", "demo", "small") with fields replaced, e.g.
     ``gpt(n_layer=24, n_embd=2048, n_head=16, block_size=1024)``."""
     return _gpt.GPT(_gpt.gpt_config(preset, **overrides))
+
+
+def llama(**overrides: Any) -> Any:
+    """A Hugging Face ``LlamaForCausalLM`` from a config (needs ``transformers``); the fields
+    default to Llama-3-8B's (8.03 billion parameters), e.g.
+    ``shardtrain estimate --model examples/models.py:llama --nproc 8 --tensor-parallel 2``.
+    AutoTP splits it by the llama preset (its ``model_type``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    fields = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=8192, tie_word_embeddings=False)
+    fields.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**fields))

@@ -293,6 +293,76 @@ def test_estimate_builds_on_the_meta_device_without_memory(capsys):
     assert report["parameters"] > 9_000_000_000
 
 
+LLAMA_KW = json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256})
+
+
+def _llama_counts() -> tuple:
+    """The small Llama's parameters, and those the llama preset splits: the attention and MLP
+    projections (q, k, v, o 64 x 64; gate, up, down 128 x 64 per layer)."""
+    split = 2 * (4 * 64 * 64 + 3 * 128 * 64)
+    total = 2 * 256 * 64 + 2 * (2 * 64 + split // 2) + 64
+    return total, split
+
+
+@pytest.mark.parametrize("tp,sp", [(2, 1), (4, 1), (2, 2), (1, 2)])
+def test_estimate_on_a_mesh_counts_one_tensor_parallel_slice(capsys, tp, sp):
+    """Each rank holds 1/T of every weight the preset splits; ZeRO shards over the
+    N / T data- x sequence-parallel ranks."""
+    total, split = _llama_counts()
+    report = estimate(capsys, "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
+                      "--nproc", "8", "--tensor-parallel", str(tp), "--sequence-parallel",
+                      str(sp), "--dtype", "fp32", "--persistence-threshold", "0")
+    local = total - split + split // tp
+    assert report["parameters"] == report["trainable_parameters"] == total
+    assert report["mesh"] == {"data_parallel": 8 // (tp * sp), "tensor_parallel": tp,
+                              "sequence_parallel": sp, "zero_shards": 8 // tp,
+                              "parameters_per_rank": local}
+    for row in report["stages"]:
+        want = zero_formula_bytes(local, 8 // tp, row["stage"], 4, 4, 8)
+        assert row["total"] == pytest.approx(want, abs=1)
+
+
+def test_estimate_reads_the_mesh_and_rules_from_a_config(capsys, tmp_path):
+    """The config's tensor_parallel block: its size and its layer_specs (the GPT example has
+    no preset); a flag overrides the config's size."""
+    specs = [{"patterns": [r".*\.mlp\.fc\.weight$"], "partition_type": "column"},
+             {"patterns": [r".*\.mlp\.proj\.weight$"], "partition_type": "row"}]
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"tensor_parallel": {"autotp_size": 2, "partition_config": {
+        "layer_specs": specs}}, "sequence_parallel_size": 1}))
+    # gpt_tiny: 2 layers of fc (128 x 32, its bias follows) and proj (32 x 128)
+    mlp = 2 * (128 * 32 + 128 + 32 * 128)
+    report = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4", "--config",
+                      str(config))
+    assert report["mesh"]["tensor_parallel"] == 2
+    assert report["mesh"]["parameters_per_rank"] == TINY_PARAMS - mlp // 2
+    report = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4", "--config",
+                      str(config), "--tensor-parallel", "4")
+    assert report["mesh"]["parameters_per_rank"] == TINY_PARAMS - mlp + mlp // 4
+
+
+def test_estimate_table_names_the_mesh(capsys):
+    out = run_cli(capsys, "estimate", "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
+                  "--nproc", "4", "--tensor-parallel", "2")
+    assert "mesh: 2 data- x 2 tensor- x 1 sequence-parallel ranks" in out
+    assert "N = 2 ranks ZeRO shards over" in out
+
+
+def test_estimate_refuses_a_mesh_the_run_would_refuse(capsys):
+    line = usage_error(capsys, "estimate", "--model", f"{MODELS}:llama", "--nproc", "4",
+                       "--tensor-parallel", "3")
+    assert line.endswith("world size 4 is not divisible by tensor_parallel.autotp_size 3 x "
+                         "sequence_parallel_size 1 = 3: launch a multiple of 3 ranks, or choose "
+                         "sizes whose product divides 4.")
+    assert main(["estimate", "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
+                 "--nproc", "8", "--tensor-parallel", "8"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardtrain estimate: error: tensor parallelism over 8 ranks: ")
+    assert "is 4: 4 heads cannot be split over 8 tensor-parallel ranks; choose a " \
+           "tensor-parallel size that divides 4." in err
+
+
 def test_estimate_table_shows_the_formula(capsys):
     out = run_cli(capsys, "estimate", "--model", f"{MODELS}:gpt_tiny", "--nproc", "2")
     assert f"{TINY_PARAMS:,} parameters" in out and "2 ranks" in out

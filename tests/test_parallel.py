@@ -3,9 +3,13 @@ with ZeRO's data parallelism train exactly as one process does on the same globa
 in ``cases_parallel.py``)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from _dist import run_ranks
+
+CASES = str(Path(__file__).resolve().parent / "cases_parallel.py")
 
 STAGES = (0, 1, 2, 3)
 
@@ -130,7 +134,7 @@ def test_parameter_bytes_per_rank_follow_the_mesh(contract, mesh, stage):
     """A tensor-parallel rank holds 1/tp of each split weight (the llama preset splits the
     attention and MLP projections); stage 3 shards what is left over the data- x
     sequence-parallel ranks."""
-    tp = {"dp4": 1, "dp2xtp2": 2, "tp4": 4, "dp2xsp2": 1}[mesh]
+    tp, sp = {"dp4": (1, 1), "dp2xtp2": (2, 1), "tp4": (4, 1), "dp2xsp2": (1, 2)}[mesh]
     for rank, got in enumerate(contract):
         case = got[f"bytes_{mesh}_{stage}"]
         assert "error" not in case, case.get("error")
@@ -138,6 +142,25 @@ def test_parameter_bytes_per_rank_follow_the_mesh(contract, mesh, stage):
         assert len(case["split"]) == (14 if tp > 1 else 0)  # 7 projections x 2 layers
         if stage == 0:
             assert case["got"] < case["full"] or tp == 1
+    # `shardtrain estimate` predicts what the engine holds; stage 3 pads each of the 16
+    # sharded parameters to an even chunk (at most 3 elements of 4 bytes over 4 ranks)
+    report = estimate_mesh(tp, sp)
+    estimated = report["stages"][stage]["params"]
+    assert abs(estimated - contract[0][f"bytes_{mesh}_{stage}"]["got"]) <= 16 * 3 * 4, estimated
+
+
+def estimate_mesh(tp: int, sp: int) -> dict:
+    import contextlib
+    import io
+    import json
+    from shardtrain.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["estimate", "--json", "--model", f"{CASES}:llama", "--model-kwargs",
+                     '{"num_key_value_heads": 4}', "--nproc", "4", "--dtype", "fp32",
+                     "--tensor-parallel", str(tp), "--sequence-parallel", str(sp),
+                     "--persistence-threshold", "4096"]) == 0
+    return json.loads(out.getvalue())
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -9,7 +9,7 @@ import torch
 
 import gpt
 from shardtrain import comm
-from shardtrain.parallel import SplitSpec, apply_autotp
+from shardtrain.parallel import SplitSpec, apply_autotp, autotp_splits
 from shardtrain.parallel._autotp_config import parse_block
 from shardtrain.parallel._presets import PRESETS
 
@@ -70,3 +70,21 @@ def test_autotp_on_a_group_of_one_leaves_the_outputs_as_they_were():
     assert "tok_emb.weight" in plan.splits and "lm_head.weight" in plan.splits
     with pytest.raises(ValueError, match=r"already tensor-parallel \(tok_emb.weight is a shard\)"):
         apply_autotp(model, comm.WORLD, {})
+
+
+def test_autotp_splits_plans_what_apply_autotp_splits_without_touching_the_model():
+    """The plan ``shardtrain estimate`` reads: the names and SplitSpecs apply_autotp then
+    gives the model (tied names included), computed without a group on the meta device."""
+    block = _specs({"patterns": [r".*\.(query|key|value|fc)\.(weight|bias)$"]},
+                   {"patterns": [r".*\.proj\.weight$"], "partition_type": "row"},
+                   {"patterns": ["lm_head"]})
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.gpt_config("tiny", vocab_size=64))
+    with torch.device("meta"):
+        planned = gpt.GPT(gpt.gpt_config("tiny", vocab_size=64))
+    before = {n: type(m) for n, m in planned.named_modules()}
+    want = apply_autotp(model, comm.WORLD, block).splits
+    assert autotp_splits(planned, 1, block) == want
+    assert {n: type(m) for n, m in planned.named_modules()} == before
+    assert not any(hasattr(p, "tp_split") for p in planned.parameters())
+    assert {"tok_emb.weight", "lm_head.weight", "blocks.0.mlp.fc.bias"} <= set(want)

@@ -1,5 +1,5 @@
 """``shardtrain estimate``: the model-state memory per rank of each ZeRO stage, for a model
-built on the meta device."""
+built on the meta device, on a device mesh of data-, tensor- and sequence-parallel ranks."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from ..config import IMPLEMENTED_ZERO_STAGES, PLANNED, ZeroConfig
+from ..config import IMPLEMENTED_ZERO_STAGES, ZeroConfig
 from ..memory import zero_formula_bytes
 from ._common import (_default_nproc, _Failure, _human, _non_negative_int, _one_line, _plural,
                           _positive_int, _UsageError)
@@ -30,11 +30,18 @@ examples:
   shardtrain estimate --model examples/models.py:gpt_small --nproc 8 --nnodes 4
   shardtrain estimate --model examples/models.py:gpt --model-kwargs '{"n_layer": 24, "n_embd": 2048}'
   shardtrain estimate --model mypkg.models:build --nproc 8 --json
+  shardtrain estimate --model mypkg.models:llama --nproc 8 --tensor-parallel 2
+  shardtrain estimate --model mypkg.models:build --nproc 8 --config ds_config.json
 
 FACTORY is called with no arguments (or --model-kwargs) under torch.device("meta"): it must
 only construct the module, not load weights. Bytes per parameter: fp32 params 4, grads 4,
 Adam 8 (SGD momentum 4); bf16/fp16 params 2, grads 2, and an fp32 master copy (4) on top of
 the optimizer states. Activations, buffers and communication buckets are not included.
+
+On a mesh (--tensor-parallel T, --sequence-parallel S, or a config's tensor_parallel block
+and sequence_parallel_size) each rank holds 1/T of every weight AutoTP splits (the rules a
+run would apply: the preset of the model's model_type, or the config's layer_specs), and
+ZeRO shards over the N / T data- x sequence-parallel ranks of its tensor-parallel slice.
 """
 
 
@@ -64,6 +71,15 @@ def add_parser(commands) -> None:
                      help="stage 3 keeps parameters of at most N elements whole on every rank, "
                           "as zero_optimization.stage3_param_persistence_threshold "
                           f"(default: {_PERSISTENCE_DEFAULT:,}; 0: the plain formula)")
+    est.add_argument("--tensor-parallel", type=_positive_int, metavar="T",
+                     help="tensor-parallel ranks (tensor_parallel.autotp_size; default: the "
+                          "config's, or 1)")
+    est.add_argument("--sequence-parallel", type=_positive_int, metavar="S",
+                     help="sequence-parallel ranks (sequence_parallel_size; default: the "
+                          "config's, or 1)")
+    est.add_argument("--config", metavar="JSON_FILE",
+                     help="a DeepSpeed-style config: its tensor_parallel block (rules and size) "
+                          "and sequence_parallel_size describe the mesh")
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(handler=_cmd_estimate, subparser=est)
 
@@ -98,47 +114,113 @@ def _bytes_per_param(dtype: str, optimizer: str) -> _BytesPerParam:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
+    nproc = args.nproc or _default_nproc()
+    mesh = _mesh(args, nproc * args.nnodes)
     model = _build_on_meta(args.model, args.model_kwargs)
-    params = list(model.parameters())  # a shared (tied) parameter is listed once
+    local = _local_numels(model, mesh)
+    params = [p for _, p in model.named_parameters()]  # a shared (tied) parameter once
     counts = _ParamCounts(
         total=sum(p.numel() for p in params),
-        trainable=sum(p.numel() for p in params if p.requires_grad),
-        persistent=sum(p.numel() for p in params if p.numel() <= args.persistence_threshold))
-    nproc = args.nproc or _default_nproc()
-    report = _estimate(counts, nproc, args.nnodes, _bytes_per_param(args.dtype, args.optimizer))
+        trainable=sum(local[id(p)] for p in params if p.requires_grad),
+        persistent=sum(local[id(p)] for p in params if local[id(p)] <= args.persistence_threshold),
+        frozen=sum(local[id(p)] for p in params if not p.requires_grad))
+    report = _estimate(counts, nproc, args.nnodes, _bytes_per_param(args.dtype, args.optimizer),
+                       mesh)
     report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
-                  persistence_threshold=args.persistence_threshold)
+                  persistence_threshold=args.persistence_threshold,
+                  trainable_parameters=sum(p.numel() for p in params if p.requires_grad))
     print(json.dumps(report, indent=2) if args.json else _estimate_table(report))
     return 0
 
 
 @dataclasses.dataclass(frozen=True)
 class _ParamCounts:
-    """Parameter elements: all of them, the trainable ones, and those small enough that
-    stage 3 keeps them whole (``stage3_param_persistence_threshold``)."""
+    """Parameter elements: all of them (the unsplit model), and of those one rank's
+    tensor-parallel slice holds: the trainable ones, the frozen ones, and those small enough
+    that stage 3 keeps them whole (``stage3_param_persistence_threshold``)."""
 
     total: int
     trainable: int
     persistent: int
+    frozen: int
 
 
-def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: _BytesPerParam) -> Dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class _Mesh:
+    """The ranks: ``tp`` x ``sp`` x ``dp`` of them; the tensor-parallel block AutoTP reads."""
+
+    tp: int
+    sp: int
+    dp: int
+    block: Dict[str, Any]
+
+    @property
+    def zero(self) -> int:
+        """The ranks ZeRO shards over: the data- x sequence-parallel ranks."""
+        return self.dp * self.sp
+
+
+def _mesh(args: argparse.Namespace, world: int) -> _Mesh:
+    from ..config import ConfigError
+    from ..config._mesh import data_parallel_world, tensor_parallel_size
+    config = _read_config(args.config) if args.config else {}
+    block = dict(config.get("tensor_parallel") or {})
+    try:
+        tp = args.tensor_parallel or tensor_parallel_size(block)
+        sp = args.sequence_parallel or int(config.get("sequence_parallel_size") or 1)
+        dp = data_parallel_world(world, tp, sp, None)
+    except ConfigError as err:
+        raise _UsageError(str(err)) from None
+    block["autotp_size"] = tp
+    block.pop("tp", None)
+    return _Mesh(tp, sp, dp, block)
+
+
+def _read_config(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except OSError as err:
+        raise _UsageError(f"--config {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise _UsageError(f"--config {path} is not JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(value, dict):
+        raise _UsageError(f"--config {path} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _local_numels(model: torch.nn.Module, mesh: _Mesh) -> Dict[int, int]:
+    """Each parameter's elements on one rank: 1/T of the ones AutoTP splits."""
+    split = set()
+    if mesh.tp > 1:
+        from ..parallel import autotp_splits
+        try:
+            names = autotp_splits(model, mesh.tp, mesh.block)
+        except ValueError as err:  # the run would refuse the same way
+            raise _Failure(f"tensor parallelism over {mesh.tp} ranks: {_one_line(err)}") from None
+        split = {id(model.get_parameter(name)) for name in names}
+    return {id(p): p.numel() // mesh.tp if id(p) in split else p.numel()
+            for p in model.parameters()}
+
+
+def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: _BytesPerParam,
+              mesh: _Mesh) -> Dict[str, Any]:
     """Per-rank model-state bytes of every stage, from :func:`zero_formula_bytes`.
 
     The formula is linear in each kind of bytes, so calling it with one kind at a time splits
     the total into parameters, gradients and optimizer states. Frozen parameters cost their
     parameter bytes only. At stage 3 the persistent (small) parameters are whole on every
-    rank instead of sharded: that adds ``p * persistent * (N - 1) / N``.
+    rank instead of sharded: that adds ``p * persistent * (N - 1) / N``. On a mesh the counts
+    are one tensor-parallel slice's and N is the ranks ZeRO shards over.
     """
-    world = nproc * nnodes
-    frozen = n.total - n.trainable
+    world = mesh.zero
+    frozen = n.frozen
     persistent_extra = round(b.p * n.persistent * (world - 1) / world)
 
     def share(stage: int, p: int = 0, g: int = 0, k: int = 0) -> int:
         return round(zero_formula_bytes(n.trainable, world, stage, p, g, k)
                      + zero_formula_bytes(frozen, world, stage, p, 0, 0))
 
-    offload_planned = "zero_optimization.offload_optimizer.device" in PLANNED
     stages = []
     for stage in range(4):
         extra = persistent_extra if stage == 3 else 0
@@ -149,11 +231,14 @@ def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: _BytesPerParam) -> Di
         if stage > 0:  # DeepSpeed offloads optimizer states at stages 1-3 only
             row["offload"] = {"device": row["params"] + row["grads"], "host": row["optimizer"],
                               "host_per_node": row["optimizer"] * nproc,
-                              "implemented": not offload_planned and row["implemented"]}
+                              "implemented": row["implemented"]}
         stages.append(row)
     return {"parameters": n.total, "trainable_parameters": n.trainable,
             "persistent_parameters": n.persistent, "nproc": nproc, "nnodes": nnodes,
-            "world_size": world,
+            "world_size": nproc * nnodes,
+            "mesh": {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp,
+                     "sequence_parallel": mesh.sp, "zero_shards": world,
+                     "parameters_per_rank": n.trainable + n.frozen},
             "bytes_per_parameter": {"params": b.p, "grads": b.g, "optimizer": b.k,
                                     "optimizer_parts": b.k_parts},
             "stages": stages, "formula": _FORMULA}
@@ -236,6 +321,7 @@ def _estimate_table(r: Dict[str, Any]) -> str:
         f"weights counted once)",
         f"  {r['world_size']} ranks = {_plural(r['nnodes'], 'node')} x "
         f"{_plural(r['nproc'], 'process', 'processes')}; {r['dtype']} with {r['optimizer']}",
+        *_mesh_lines(r),
         f"  bytes per parameter: p = {b['params']} (parameter), g = {b['grads']} (gradient), "
         f"K = {b['optimizer']} ({b['optimizer_parts']})",
         "",
@@ -250,14 +336,30 @@ def _estimate_table(r: Dict[str, Any]) -> str:
         lines.append(f"{label:<13}{_human(row['params']):>11}{_human(row['grads']):>11}"
                      f"{_human(row['optimizer']):>11}{_human(row['total']):>11}   {offload}")
     f = r["formula"]
-    planned = "" if r["stages"][1]["offload"]["implemented"] else " (planned in shardtrain)"
     lines += [
         "",
-        f"Formula, bytes per rank (P parameters, N = {r['world_size']} ranks):",
+        _formula_heading(r),
         *(f"  {stage}: {f[stage]}" for stage in ("stage 0", "stage 1", "stage 2", "stage 3")),
         f"    S = {r['persistent_parameters']:,}: elements of parameters of at most "
         f"{r['persistence_threshold']:,} elements, which stage 3 keeps whole",
-        f"  offload{planned}: {f['offload']} ({r['nproc']} per node)",
+        f"  offload: {f['offload']} ({r['nproc']} per node)",
         "Not included: activations, buffers, communication buckets, allocator fragmentation.",
     ]
     return "\n".join(lines)
+
+
+def _mesh_lines(r: Dict[str, Any]) -> list:
+    m = r["mesh"]
+    if m["tensor_parallel"] == 1 and m["sequence_parallel"] == 1:
+        return []
+    return [f"  mesh: {m['data_parallel']} data- x {m['tensor_parallel']} tensor- x "
+            f"{m['sequence_parallel']} sequence-parallel ranks; P = {m['parameters_per_rank']:,} "
+            f"parameters per tensor-parallel slice, ZeRO over N = {m['zero_shards']} ranks"]
+
+
+def _formula_heading(r: Dict[str, Any]) -> str:
+    m = r["mesh"]
+    if m["zero_shards"] == r["world_size"]:
+        return f"Formula, bytes per rank (P parameters, N = {r['world_size']} ranks):"
+    return (f"Formula, bytes per rank (P = {m['parameters_per_rank']:,} parameters of a "
+            f"tensor-parallel slice, N = {m['zero_shards']} ranks ZeRO shards over):")

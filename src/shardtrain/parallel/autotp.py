@@ -40,7 +40,7 @@ from ._cross_entropy import causal_lm_loss
 from ._layout import SplitSpec, is_tp_split
 from ._presets import PRESETS, preset_specs
 
-__all__ = ["apply_autotp", "TPPlan", "TPEntry"]
+__all__ = ["apply_autotp", "autotp_splits", "TPPlan", "TPEntry"]
 
 logger = logging.getLogger("shardtrain")
 
@@ -147,6 +147,36 @@ def apply_autotp(module: nn.Module, group: comm.Group, block: Dict[str, Any]) ->
     head = _head_state(actions)
     loss = _set_loss(module, group) if head == "vocab-parallel" else None
     return TPPlan(size, rules, _entries(module, kinds, set(actions.skipped)), head, loss)
+
+
+def autotp_splits(module: nn.Module, size: int, block: Dict[str, Any]) -> Dict[str, SplitSpec]:
+    """What :func:`apply_autotp` would split over ``size`` ranks, without a process group and
+    without changing ``module`` (which may live on the meta device): parameter name (every
+    name a tied weight is registered under) -> :class:`~shardtrain.parallel.SplitSpec`.
+    Raises what :func:`apply_autotp` raises.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = LlamaForCausalLM(config)
+        >>> sum(model.get_parameter(n).numel() // 8 for n in autotp_splits(model, 8, {}))
+    """
+    config = parse_block(block, tuple(PRESETS))
+    refuse_resplit(module)
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    specs, _ = _rules(module, config, model_type)
+    actions = plan(module, size, config, specs, model_type)
+    out: Dict[str, SplitSpec] = {}
+    for split in actions.linears:
+        out[split.at.name] = split.split
+        out.update({tied.name: split.split for tied in split.tied})
+        bias = split.at.module.bias
+        if bias is not None and split.kind == "column":
+            out[f"{split.at.module_name}.bias"] = SplitSpec(0, (bias.shape[0],))
+    for r in actions.embeddings:
+        out[r.name] = SplitSpec(0, (r.param.shape[0],))
+    for owned in actions.fused.values():
+        out.update({r.name: spec for r, _, spec in owned})
+    return out
 
 
 def _rules(module: nn.Module, config: AutoTPConfig,
