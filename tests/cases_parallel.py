@@ -218,7 +218,8 @@ class EvenTokens(Tokens):
 
 
 MESHES = {"dp4": {}, "dp2xtp2": {"tensor_parallel": {"autotp_size": 2}},
-          "tp4": {"tensor_parallel": {"autotp_size": 4}}, "dp2xsp2": {"sequence_parallel_size": 2}}
+          "tp4": {"tensor_parallel": {"autotp_size": 4}}, "dp2xsp2": {"sequence_parallel_size": 2},
+          "tp2xsp2": {"tensor_parallel": {"autotp_size": 2}, "sequence_parallel_size": 2}}
 
 
 def _mesh_config(mesh: str, stage: int, bf16: bool = False) -> Dict[str, Any]:
@@ -397,6 +398,9 @@ def mesh_contract(rank: int, world_size: int) -> Dict[str, Any]:
     cases["bf16_dp2xtp2"] = lambda r, w: compare(llama_tp4, config(
         2, tensor_parallel={"autotp_size": 2}, **bf16))
     cases["bf16_dp2xsp2"] = lambda r, w: compare(llama, config(2, sequence_parallel_size=2, **bf16))
+    for stage in (1, 3):  # both model-parallel dimensions: heads split by TP, then by SP
+        cases[f"tp2xsp2_stage{stage}"] = (lambda r, w, s=stage: compare(llama_tp4, config(
+            s, tensor_parallel={"autotp_size": 2}, sequence_parallel_size=2)))
     return run_cases(cases, rank, world_size)
 
 

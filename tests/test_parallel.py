@@ -63,7 +63,8 @@ def test_a_vocabulary_parallel_head_trains_exactly(tensor, case):
     _check(tensor[2], case)
 
 
-PAIRS = [("dp2xtp2", "dp4"), ("dp2xsp2", "dp4"), ("tp4", "dp2xtp2"), ("dp4", "dp2xsp2")]
+PAIRS = [("dp2xtp2", "dp4"), ("dp2xsp2", "dp4"), ("tp4", "dp2xtp2"), ("dp4", "dp2xsp2"),
+         ("tp2xsp2", "dp4")]
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +187,13 @@ def test_bf16_on_a_mesh_tracks_the_fp32_reference(contract, mesh):
         assert case["loss_err"] < 2e-3, (rank, case["loss_err"])
         got_norm, want_norm = case["norms"]
         assert abs(got_norm - want_norm) < 1e-2 * want_norm, (rank, case["norms"])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_and_sequence_parallel_together_train_exactly(contract, stage):
+    """tp 2 x sp 2 on 4 ranks: AutoTP splits the heads, Ulysses exchanges each rank's share
+    of them over the sequence-parallel group."""
+    _check(contract, f"tp2xsp2_stage{stage}")
+    for got in contract:
+        case = got[f"tp2xsp2_stage{stage}"]
+        assert case["dp"] == 1 and all(shape == (2, 8) for shape in case["shapes"])

@@ -61,6 +61,6 @@ def parallelize(module: torch.nn.Module, mesh: comm.Mesh, config: Any) -> Parall
         out.tensor = apply_autotp(module, mesh.tp, dict(config.tensor_parallel))
     if mesh.sizes["sp"] > 1:
         from .ulysses import enable_ulysses, shard_sequence
-        out.sequence = enable_ulysses(module, mesh.sp)
+        out.sequence = enable_ulysses(module, mesh.sp, mesh.sizes["tp"] if out.tensor else 1)
         out.batch_transform = lambda batch: shard_sequence(batch, mesh.sp)
     return out

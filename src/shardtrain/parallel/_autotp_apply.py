@@ -6,7 +6,6 @@ so optimizer groups, checkpoints and state dicts keep addressing them by the sam
 """
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any, Dict, List, Tuple
 
@@ -95,14 +94,38 @@ def _leave_group(group: comm.Group, module: nn.Module, args: Tuple[Any, ...],
 
 def _localise_configs(actions: Actions) -> None:
     """Attention blocks that read head counts from their config (Phi3 slices its fused qkv
-    at ``config.num_attention_heads * head_dim``) get a copy with local counts; the model's
-    own config, which checkpoints save, keeps the full ones. One copy per config object."""
-    copies: Dict[int, Any] = {}
+    at ``config.num_attention_heads * head_dim``) get a view of it with local counts; the
+    model's own config, which checkpoints save, keeps the full ones. One view per config
+    object. Everything else is read from the model's config as it is now, so a later
+    change there (``set_attn_implementation``, as Ulysses does) reaches the blocks too."""
+    views: Dict[int, Any] = {}
     for _, module, counts in actions.config_counts:
         original = module.config
-        if id(original) not in copies:
-            local = copy.copy(original)
-            for attr, count in counts.items():
-                setattr(local, attr, count)
-            copies[id(original)] = local
-        module.config = copies[id(original)]
+        if id(original) not in views:
+            views[id(original)] = LocalCounts(original, counts)
+        module.config = views[id(original)]
+
+
+class LocalCounts:
+    """A config with some head counts replaced; every other attribute is the original's."""
+
+    def __init__(self, original: Any, counts: Dict[str, int]):
+        self.__dict__.update(counts)
+        self.__dict__["_original"] = original
+
+    def __getattr__(self, name: str) -> Any:  # only for names not replaced
+        try:
+            original = self.__dict__["_original"]
+        except KeyError:  # a copy being built (copy, pickle) has no original yet
+            raise AttributeError(name) from None
+        return getattr(original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            setattr(self._original, name, value)
+
+    def __repr__(self) -> str:
+        counts = {k: v for k, v in self.__dict__.items() if k != "_original"}
+        return f"LocalCounts({type(self._original).__name__}, {counts})"

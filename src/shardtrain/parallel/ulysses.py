@@ -144,20 +144,25 @@ def _valid_sizes(query_heads: int, kv_heads: int) -> List[int]:
             if query_heads % s == 0 and (kv_heads % s == 0 or s % kv_heads == 0)]
 
 
-def _plan(config: Any, size: int) -> UlyssesPlan:
-    """Checks the model's heads and attention implementation against S."""
+def _plan(config: Any, size: int, tensor_parallel: int = 1) -> UlyssesPlan:
+    """Checks the model's heads (each tensor-parallel rank's share of them) and attention
+    implementation against S."""
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int):
         raise NotImplementedError(
             f"{type(config).__name__} has no num_attention_heads: enable_ulysses supports "
             "text models whose top-level config describes their attention (causal LMs).")
     kv = getattr(config, "num_key_value_heads", None) or heads
+    where = "the model has"
+    if tensor_parallel > 1:  # AutoTP split the heads: each rank exchanges its own
+        heads, kv = heads // tensor_parallel, kv // tensor_parallel
+        where = f"each of the {tensor_parallel} tensor-parallel ranks has"
     fix = f"use a sequence_parallel_size among {_valid_sizes(heads, kv)}"
     if heads % size:
-        raise ValueError(f"the model has {heads} attention heads (num_attention_heads), not "
+        raise ValueError(f"{where} {heads} attention heads (num_attention_heads), not "
                          f"divisible by the sequence-parallel size {size}: {fix}.")
     if kv % size and size % kv:
-        raise ValueError(f"the model has {kv} key/value heads (num_key_value_heads): Ulysses "
+        raise ValueError(f"{where} {kv} key/value heads (num_key_value_heads): Ulysses "
                          f"needs them divisible by the sequence-parallel size {size}, or {size} "
                          f"divisible by them (each is then replicated): {fix}.")
     original = config._attn_implementation
@@ -171,7 +176,8 @@ def _plan(config: Any, size: int) -> UlyssesPlan:
     return UlyssesPlan(size, heads, kv, max(1, size // kv), original)
 
 
-def enable_ulysses(model: torch.nn.Module, group: comm.Group) -> UlyssesPlan:
+def enable_ulysses(model: torch.nn.Module, group: comm.Group,
+                   tensor_parallel: int = 1) -> UlyssesPlan:
     """Makes a Hugging Face causal LM run Ulysses attention over ``group`` and return the
     whole sequences' loss. Call it on every rank of the group, once, before the first
     forward; then feed it batches from :func:`shard_sequence`.
@@ -187,6 +193,9 @@ def enable_ulysses(model: torch.nn.Module, group: comm.Group) -> UlyssesPlan:
         model: a ``transformers.PreTrainedModel`` loaded with ``attn_implementation`` "sdpa"
             or "eager", whose attention heads (and key/value heads, or S by them) divide by S.
         group: the sequence-parallel group, ``Mesh.sp``.
+        tensor_parallel: the tensor-parallel size the model's heads were split over by
+            :func:`~shardtrain.parallel.apply_autotp` (called first): each rank exchanges its
+            share of them.
 
     Returns:
         The :class:`UlyssesPlan`; ``str(plan)`` is a line for the log.
@@ -203,7 +212,7 @@ def enable_ulysses(model: torch.nn.Module, group: comm.Group) -> UlyssesPlan:
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"enable_ulysses needs a transformers PreTrainedModel, got "
                         f"{type(model).__name__}.")
-    plan = _plan(model.config, group.size())
+    plan = _plan(model.config, group.size(), tensor_parallel)
     name = f"{_NAME_PREFIX}_{next(_names)}"
     from transformers import AttentionInterface
     AttentionInterface.register(name, make_attention(
