@@ -37,6 +37,7 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_ddp.py
 	$(PY) benchmarks/bench_fsdp.py
+	$(PY) benchmarks/bench_parallel.py
 
 # Build outputs and caches; .venv and runs/ are kept (rm -rf them by hand).
 clean:

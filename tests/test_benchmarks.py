@@ -91,3 +91,24 @@ def test_weights_benchmark_smoke_run(tmp_path):
             assert rank["ours"][name]["seconds"] > 0, name
         assert rank["dcp"]["save"]["bytes"] > 0 and rank["async"]["save_blocks"] >= 0
     assert "ratios shardtrain / DCP" in proc.stdout and "asynchronous save" in proc.stdout
+
+
+def test_parallel_benchmark_smoke_run(tmp_path):
+    """bench_parallel.py on the tiny Llama, 2 ranks (dp2, tp2 with torch's TP beside it, sp2):
+    every mesh trains the same global batches to the same loss, and the bytes each rank hands
+    to the comm layer per step are the analytic volume."""
+    out = tmp_path / "parallel.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_parallel.py"), "--tiny", "--world", "2",
+         "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mesh"], r["engine"]) for r in rows] == [
+        ("dp2", "shardtrain"), ("tp2", "shardtrain"), ("tp2", "torch TP"), ("sp2", "shardtrain")]
+    final = [r["losses"][-1] for r in rows]
+    assert max(final) - min(final) < 1e-4, final
+    for r in rows:
+        assert r["step_s"] > 0
+        for kind, ratio in r.get("ratio", {}).items():
+            assert abs(ratio - 1) < 0.01, (r["mesh"], kind, ratio)
+    assert set(rows[1]["analytic"]) == {"tp"} and set(rows[3]["analytic"]) == {"sp", "zero"}

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class LaunchEnv:
 
 
 _owns_group = False  # True when this module created the default group (and must destroy it)
-_observers: List[Callable[[str, torch.Tensor], None]] = []
+_observers: List[Tuple[Callable[..., None], bool]] = []
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -256,18 +256,23 @@ class Work:
             then()
 
 
-def add_observer(fn: Callable[[str, torch.Tensor], None]) -> None:
-    """Calls ``fn(op_name, tensor)`` for every collective issued (for tests and profiling)."""
-    _observers.append(fn)
+def add_observer(fn: Callable[..., None], with_group: bool = False) -> None:
+    """Calls ``fn(op_name, tensor)`` for every collective issued (for tests and profiling);
+    with ``with_group``, ``fn(op_name, tensor, group)``, ``group`` the :class:`Group` given
+    to the collective (None: the world)."""
+    _observers.append((fn, with_group))
 
 
-def remove_observer(fn: Callable[[str, torch.Tensor], None]) -> None:
-    _observers.remove(fn)
+def remove_observer(fn: Callable[..., None]) -> None:
+    _observers[:] = [(f, g) for f, g in _observers if f is not fn]
 
 
-def _notify(op: str, tensor: torch.Tensor) -> None:
-    for fn in _observers:
-        fn(op, tensor)
+def _notify(op: str, tensor: torch.Tensor, group: Optional["Group"] = None) -> None:
+    for fn, with_group in _observers:
+        if with_group:
+            fn(op, tensor, group)
+        else:
+            fn(op, tensor)
 
 
 #: torch's reduction operations, so that ``comm.ReduceOp.SUM`` reads as in DeepSpeed scripts.
@@ -304,7 +309,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Optional["Group"] = None,
     :data:`ReduceOp`. A group of one returns at once."""
     reduce_op = _reduce_op(op)
     handle = _handle(group)
-    _notify("all_reduce", tensor)
+    _notify("all_reduce", tensor, group)
     size = get_world_size(group)
     if size == 1:
         return Work()
@@ -326,7 +331,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
                    group: Optional["Group"] = None) -> Work:
     """Sums ``input`` (one equal row per rank of ``group``, flattened) across the group; the
     rank of group rank r receives row r in ``output``."""
-    _notify("reduce_scatter", input)
+    _notify("reduce_scatter", input, group)
     if get_world_size(group) == 1:
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return Work()
@@ -336,7 +341,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
 def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                group: Optional["Group"] = None) -> Work:
     """Concatenates every rank's ``input`` into ``output`` (in the group's rank order)."""
-    _notify("all_gather", input)
+    _notify("all_gather", input, group)
     if get_world_size(group) == 1:
         output.view(-1).copy_(input.view(-1))
         return Work()
@@ -345,7 +350,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional["Group"] = None) -> None:
     """``src``'s values (``src`` a rank of ``group``) into ``tensor`` on every rank of it."""
-    _notify("broadcast", tensor)
+    _notify("broadcast", tensor, group)
     if get_world_size(group) > 1:
         dist.broadcast(tensor, src=_global(group, src), group=_handle(group))
 
@@ -354,7 +359,7 @@ def scatter(output: torch.Tensor, rows: Optional[torch.Tensor], src: int = 0,
             async_op: bool = False, group: Optional["Group"] = None) -> Work:
     """Rank ``src`` (of ``group``) sends row r of ``rows`` (``[size, n]``, read on ``src``
     only; None elsewhere) to the group's rank r, which receives it in ``output``."""
-    _notify("scatter", output)
+    _notify("scatter", output, group)
     if get_world_size(group) == 1:
         output.view(-1).copy_(rows[0].view(-1))
         return Work()
@@ -367,7 +372,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       group: Optional["Group"] = None) -> None:
     """Splits ``input`` into the group's size equal parts along dim 0 and sends part r to
     the group's rank r; ``output`` receives the parts from every rank in rank order."""
-    _notify("all_to_all", input)
+    _notify("all_to_all", input, group)
     if get_world_size(group) == 1:
         output.copy_(input)
         return
