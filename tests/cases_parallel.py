@@ -366,10 +366,50 @@ def _param_bytes(mesh: str, stage: int) -> Dict[str, Any]:
     return {"got": got, "want": want * 4, "split": split, "full": sum(full.values()) * 4}
 
 
-def mesh_contract(rank: int, world_size: int) -> Dict[str, Any]:
+def _pretrained_into(mesh: str, stage: int, path: str) -> Dict[str, Any]:
+    """``load_pretrained`` into an engine already on ``mesh``: each rank keeps its slice (and
+    at stage 3 its shard of it) of the file's unsplit tensors."""
+    import os
+    from shardtrain.pretrained import load_pretrained
+    if comm.get_rank() == 0 and not os.path.exists(path):
+        llama(num_key_value_heads=4).save_pretrained(path, safe_serialization=True)
+    comm.barrier()
+    model = llama(num_key_value_heads=4)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    for p in model.parameters():  # the engine starts from other weights
+        torch.nn.init.normal_(p, std=0.5)
+    engine, *_ = shardtrain.initialize(model=model, config=_mesh_config(mesh, stage))
+    load_pretrained(engine, path)
+    got = full_state_dict(engine.module, rank=None)
+    ids = torch.arange(16).view(1, 16) % VOCAB
+    loss = engine(input_ids=ids, labels=ids).loss.item()
+    engine.destroy()
+    ref = llama(num_key_value_heads=4)(input_ids=ids, labels=ids).loss.item()
+    return {"err": max((got[k].float() - v).abs().max().item() for k, v in want.items()),
+            "names": sorted(got) == sorted(want), "loss_err": abs(loss - ref)}
+
+
+def _zero_init_then_tp() -> Dict[str, Any]:
+    with shardtrain.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        model = llama()
+    before = {n: (type(m), [p.ds_tensor.clone() for p in m.parameters(recurse=False)])
+              for n, m in model.named_modules()}
+    try:
+        shardtrain.initialize(model=model, config=config(3, tensor_parallel={"autotp_size": 2}))
+    except ValueError as err:
+        after = {n: (type(m), list(m.parameters(recurse=False))) for n, m in model.named_modules()}
+        untouched = sorted(after) == sorted(before) and all(
+            after[n][0] is kind and all(torch.equal(p.ds_tensor, t) for p, t in zip(after[n][1], shards))
+            for n, (kind, shards) in before.items())
+        return {"error": f"ValueError: {err}", "untouched": untouched}
+    return {"error": None}
+
+
+def mesh_contract(rank: int, world_size: int, save_dir: str) -> Dict[str, Any]:
     """On 4 ranks: the mistakes ``initialize`` refuses, the parameter bytes per rank for
-    each mesh, a user's own groups through ``mpu=``, and bf16 on tensor- and
-    sequence-parallel meshes."""
+    each mesh, a user's own groups through ``mpu=``, bf16 on tensor- and sequence-parallel
+    meshes, both together, and pretrained weights loaded into a tensor-parallel engine."""
     llama_tp4 = functools.partial(llama, num_key_value_heads=4)
     gpt_specs = {"autotp_size": 2, "partition_config": {"layer_specs": GPT_SPECS}}
     cases: Dict[str, Callable] = {
@@ -386,7 +426,11 @@ def mesh_contract(rank: int, world_size: int) -> Dict[str, Any]:
                 {"patterns": [r".*\.ln1\.weight$"], "partition_type": "column"}]}})),
         "mpu_and_tp": lambda r, w: _refusal(gpt, config(1, tensor_parallel=gpt_specs),
                                             mpu=UserMPU(r, w)),
+        "zero_init": lambda r, w: _zero_init_then_tp(),
     }
+    for mesh, stage in (("dp2xtp2", 1), ("dp2xtp2", 3), ("tp4", 2)):
+        cases[f"pretrained_{mesh}_{stage}"] = (lambda r, w, m=mesh, s=stage: _pretrained_into(
+            m, s, f"{save_dir}/llama"))
     for mesh in ("dp4", "dp2xtp2", "tp4", "dp2xsp2"):
         for stage in (0, 3):
             cases[f"bytes_{mesh}_{stage}"] = (lambda r, w, m=mesh, s=stage: _param_bytes(m, s))

@@ -90,8 +90,9 @@ def test_a_checkpoint_resumes_exactly_on_another_mesh(resumed, pair, stage):
 
 
 @pytest.fixture(scope="module")
-def contract():
-    return run_ranks("cases_parallel:mesh_contract", 4, timeout=300)
+def contract(tmp_path_factory):
+    return run_ranks("cases_parallel:mesh_contract", 4, timeout=300,
+                     save_dir=str(tmp_path_factory.mktemp("pretrained")))
 
 
 REFUSALS = {
@@ -116,6 +117,10 @@ REFUSALS = {
     "mpu_and_tp": "ValueError: initialize(mpu=...) brings its own groups, but the config also "
                   "asks for tensor_parallel size 2 and sequence_parallel_size 1: keep one of "
                   "them.",
+    "zero_init": "ValueError: model.embed_tokens.weight is partitioned by ZeRO-3 (the model was "
+                 "built under shardtrain.zero.Init): tensor parallelism splits whole weights. "
+                 "Build the model without zero.Init (ZeRO-3 then shards each tensor-parallel "
+                 "slice over the data-parallel ranks), or train it without tensor_parallel.",
 }
 
 
@@ -197,3 +202,15 @@ def test_tensor_and_sequence_parallel_together_train_exactly(contract, stage):
     for got in contract:
         case = got[f"tp2xsp2_stage{stage}"]
         assert case["dp"] == 1 and all(shape == (2, 8) for shape in case["shapes"])
+
+
+@pytest.mark.parametrize("case", ["dp2xtp2_1", "dp2xtp2_3", "tp4_2"])
+def test_pretrained_weights_load_into_a_tensor_parallel_engine(contract, case):
+    """load_pretrained(engine, path) on a mesh: every rank keeps its slice of the file's
+    unsplit tensors (at stage 3 its shard of the slice); the full weights are the file's and
+    the loss is the plain model's."""
+    for rank, got in enumerate(contract):
+        result = got[f"pretrained_{case}"]
+        assert "error" not in result, result.get("error")
+        assert result["names"] and result["err"] == 0.0, (rank, result)
+        assert result["loss_err"] < 1e-5, (rank, result)

@@ -99,10 +99,20 @@ def _is_linear_bias(r: Registered) -> bool:
 
 
 def refuse_resplit(root: nn.Module) -> None:
+    """AutoTP needs every weight whole on every rank: not yet split, not partitioned by
+    ZeRO-3 (``zero.Init``)."""
     done = [name for name, p in root.named_parameters() if hasattr(p, "tp_split")]
     if done:
         raise ValueError(f"the model is already tensor-parallel ({done[0]} is a shard): apply "
                          "AutoTP once, to the full model.")
+    sharded = [name for name, p in root.named_parameters()
+               if getattr(p, "ds_tensor", None) is not None]
+    if sharded:
+        raise ValueError(
+            f"{sharded[0]} is partitioned by ZeRO-3 (the model was built under "
+            "shardtrain.zero.Init): tensor parallelism splits whole weights. Build the model "
+            "without zero.Init (ZeRO-3 then shards each tensor-parallel slice over the "
+            "data-parallel ranks), or train it without tensor_parallel.")
 
 
 def check_user_patterns(root: nn.Module, params: List[Registered],

@@ -2,7 +2,8 @@
 
 The model's names are its ``state_dict`` names (parameters and persistent buffers), taken
 with ``keep_vars=True`` so that nothing is gathered or copied: a ZeRO-3 parameter answers
-with itself and its full shape in ``ds_shape``. A tensor the model holds under several names
+with itself and its full shape in ``ds_shape``; a tensor-parallel slice (``tp_split``) is
+matched against the unsplit tensor the file holds. A tensor the model holds under several names
 (tied weights: an embedding shared with the output layer) is one :class:`Target` with all
 its names; it loads once, from the first of its names the file holds, and the others are
 neither missing nor unexpected (``save_pretrained`` writes a tied weight once).
@@ -30,8 +31,14 @@ class Target:
 
     @property
     def full_shape(self) -> Tuple[int, ...]:
+        """The shape the file holds: the unsplit tensor of a tensor-parallel slice
+        (``tp_split``), the whole of a ZeRO-3 partitioned one."""
         shape = getattr(self.tensor, "ds_shape", None)
-        return tuple(self.tensor.shape if shape is None else shape)
+        shape = list(self.tensor.shape if shape is None else shape)
+        spec = getattr(self.tensor, "tp_split", None)
+        if spec is not None:
+            shape[spec.dim] = spec.full_size
+        return tuple(shape)
 
 
 @dataclass

@@ -5,6 +5,9 @@
   (:func:`shardtrain.zero._shards.shard_range`). It reads the rows that hold them, which
   reach past the shard by less than one row at each end, and writes its shard
   (``ds_tensor``); the full tensor never exists on the rank.
+* A tensor-parallel slice (``tp_split``, on a mesh): the rank reads the unsplit tensor (one
+  tensor at a time), keeps its slice (``SplitSpec.shard`` over the parameter's
+  ``tp_group``) and writes it as above: whole, or at stage 3 its shard of the slice.
 * Everything else (parameters at stages 0-2, the small ones stage 3 keeps whole, buffers, a
   plain model): the rank keeps the whole tensor and reads it whole. It is written in place,
   so an optimizer that holds the parameter or a view of it (fp32 at stages 0-2) sees the new
@@ -34,11 +37,28 @@ def covering_rows(lo: int, hi: int, shape: Tuple[int, ...]) -> Tuple[int, int, i
 @torch.no_grad()
 def load_target(target: Target, files: WeightFiles) -> None:
     """Reads what this rank keeps of ``target`` and writes it there."""
-    if is_partitioned(target.tensor):
+    spec = getattr(target.tensor, "tp_split", None)
+    if spec is not None:
+        _load_slice(target.tensor, spec, files.read(target.source).view(target.full_shape))
+    elif is_partitioned(target.tensor):
         _load_shard(target.tensor, target.source, files)
     else:
         values = files.read(target.source)
         target.tensor.copy_(values.view(target.tensor.shape))
+
+
+def _load_slice(p: torch.nn.Parameter, spec, full: torch.Tensor) -> None:
+    """This rank's tensor-parallel slice of the unsplit ``full``, written whole or, at stage 3,
+    as this rank's shard of it."""
+    group = p.tp_group
+    local = spec.shard(full, group.rank(), group.size()).reshape(-1)
+    if not is_partitioned(p):
+        p.copy_(local.view(p.shape))
+        return
+    zero = p.ds_process_group
+    lo, hi = shard_range(p.ds_numel, zero.size(), zero.rank())
+    if hi > lo:
+        p.ds_tensor[: hi - lo].copy_(local[lo:hi])
 
 
 def _load_shard(p: torch.nn.Parameter, name: str, files: WeightFiles) -> None:
