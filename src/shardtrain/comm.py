@@ -29,6 +29,7 @@ __all__ = [
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
     "scatter", "all_to_all_single",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
+    "split_groups",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
     "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
 ]
@@ -448,6 +449,20 @@ def side_group() -> Group:
     if _side is None:
         _side = Group(dist.new_group(backend="gloo") if get_world_size() > 1 else None, "side")
     return _side
+
+
+def split_groups(partition: List[List[int]], name: str = "split") -> Group:
+    """Creates a group for each list of global ranks in ``partition`` (a collective: every
+    rank calls it with the same lists) and returns this rank's, or a solo group when this
+    rank is in none of them.
+
+    Example:
+        >>> pair = comm.split_groups([[0, 1], [2, 3]], name="pair")
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return Group(None, name, solo=True)
+    handle = _own_group(partition)
+    return Group(None, name, solo=True) if handle is None else Group(handle, name)
 
 
 def before_destroy(fn: Callable[[], None]) -> None:

@@ -9,6 +9,8 @@ module owns its command's options, examples and work, and registers itself with
   which stays outside this package because they run it by that module name;
 * ``_estimate``: ``shardtrain estimate``, model-state memory per rank for ZeRO stages 0-3;
 * ``_info``: ``shardtrain info``, what a bug report needs;
+* ``_doctor``: ``shardtrain doctor``, every rank's versions and devices, then compute and
+  bandwidth across the ranks, naming a slow rank or pair;
 * ``_consolidate``: ``shardtrain consolidate``, a checkpoint's full weights in one file or
   in the Hugging Face layout;
 * ``_import_deepspeed``: ``shardtrain import-deepspeed``, a DeepSpeed checkpoint converted;
@@ -40,8 +42,8 @@ from typing import Optional, Sequence
 import torch
 
 from .. import __version__
-from . import (_alias, _autotune, _consolidate, _estimate, _import_deepspeed, _info,
-               _plot, _run)
+from . import (_alias, _autotune, _consolidate, _doctor, _estimate, _import_deepspeed,
+               _info, _plot, _run)
 from ._autotune import autotune_main
 from ._common import _Failure, _UsageError
 from ._plot import plot_main
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run.add_parser(commands)
     _estimate.add_parser(commands)
     _info.add_parser(commands)
+    _doctor.add_parser(commands)
     _consolidate.add_parser(commands)
     _import_deepspeed.add_parser(commands)
     _alias.add_parser(commands)
