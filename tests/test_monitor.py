@@ -152,6 +152,127 @@ def test_tensorboard_missing_names_the_install(tmp_path, monkeypatch):
         monitor.TensorBoardMonitor(str(tmp_path))
 
 
+# ---------------------------------------------------------------------------- trackers
+
+TRACKER_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+
+
+def train_with_trackers(rank: int, world_size: int, out: str) -> dict:
+    """2 ranks train with Weights & Biases (offline), MLflow (a file store) and the JSON-lines
+    monitor on; rank 0 writes to all three."""
+    import os
+    os.environ["WANDB_DIR"] = out
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}}, "zero_optimization": {"stage": 1},
+              "jsonl_monitor": {"enabled": True, "output_path": out, "job_name": "job"},
+              "wandb": {"enabled": True, "project": "shardtrain-test"},
+              "mlflow": {"enabled": True, "tracking_uri": f"file://{out}/mlruns",
+                         "experiment_name": "tiny", "run_name": "two-ranks"}}
+    engine, *_ = shardtrain.initialize(model=model, config=config)
+    torch.manual_seed(100 + rank)
+    for _ in range(STEPS * GAS):
+        engine.backward(engine(torch.randn(MICRO, 8)).pow(2).mean())
+        engine.step()
+    engine.log_metrics(eval_loss=torch.tensor(0.25))
+    kinds = [type(m).__name__ for m in engine.monitor.monitors]
+    run_id = next((m.run_id for m in engine.monitor.monitors if hasattr(m, "run_id")), None)
+    engine.monitor.close()
+    return {"monitors": kinds, "mlflow_run": run_id}
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trackers")
+    results = run_ranks("test_monitor:train_with_trackers", WORLD, timeout=180, out=str(out),
+                        env=TRACKER_ENV)
+    rows = [json.loads(line) for line in (out / "job" / "metrics.jsonl").read_text().splitlines()]
+    return out, results, rows
+
+
+def _wandb_records(path: Path):
+    """The records of an offline run's ``.wandb`` file: W&B's log format (a 7-byte header,
+    then 32 KiB blocks of records framed by CRC32, length and a full/first/middle/last kind),
+    each a protobuf ``Record``."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def test_weights_and_biases_offline_holds_the_scalars_and_the_config(tracked):
+    out, results, rows = tracked
+    assert results[0]["monitors"] == ["JSONLinesMonitor", "WandbMonitor", "MLflowMonitor"]
+    assert results[1]["monitors"] == []  # rank 0 alone writes
+    runs = list(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1  # one run, rank 0's
+    logged, config = [], {}
+    for record in _wandb_records(runs[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            logged.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                           for i in record.history.item})
+        elif kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+    train = [h for h in logged if "Train/Samples/train_loss" in h]
+    assert [h["Train/Samples"] for h in train] == [r["samples"] for r in rows[:STEPS]]
+    for h, row in zip(train, rows):
+        assert h["Train/Samples/train_loss"] == pytest.approx(row["loss"], rel=1e-6)
+        assert h["Train/Samples/lr"] == row["lr"]
+        assert h["Train/Samples/grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-6)
+    assert logged[-1]["Train/Samples/eval_loss"] == 0.25
+    assert config["zero_optimization"]["stage"] == 1  # the resolved config, nested
+    assert config["train_batch_size"] == MICRO * GAS * WORLD
+
+
+def test_mlflow_file_store_holds_the_scalars_and_the_config(tracked, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out, results, rows = tracked
+    client = MlflowClient(tracking_uri=f"file://{out}/mlruns")
+    run = client.get_run(results[0]["mlflow_run"])
+    assert run.info.run_name == "two-ranks" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "tiny"
+    params = run.data.params
+    assert params["zero_optimization.stage"] == "1" and params["optimizer.type"] == "SGD"
+    assert params["train_batch_size"] == str(MICRO * GAS * WORLD)
+    losses = client.get_metric_history(run.info.run_id, "Train/Samples/train_loss")
+    assert [m.step for m in losses] == [r["samples"] for r in rows[:STEPS]]
+    for m, row in zip(losses, rows):
+        assert m.value == pytest.approx(row["loss"], rel=1e-6)
+    assert [m.value for m in client.get_metric_history(run.info.run_id,
+                                                        "Train/Samples/eval_loss")] == [0.25]
+
+
+def test_a_missing_tracker_names_the_install(monkeypatch):
+    from shardtrain.telemetry.monitors import MLflowMonitor, WandbMonitor
+    from shardtrain.config import load_config
+    cfg = load_config({"train_batch_size": 1, "wandb": {"enabled": True},
+                       "mlflow": {"enabled": True}}, world_size=1)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"pip install 'shardtrain\[wandb\]'"):
+        WandbMonitor(cfg.wandb, {})
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "mlflow.entities", None)
+    with pytest.raises(ImportError, match=r"pip install 'shardtrain\[mlflow\]'"):
+        MLflowMonitor(cfg.mlflow, {})
+
+
 # ---------------------------------------------------------------------------- progress bar
 
 

@@ -331,7 +331,6 @@ PLANNED_CASES = {
     "data_types.grad_accum_dtype": "fp32",
     "data_types.buffer_dtype": "bf16",
     "data_types.keep_in_fp32_modules": ["lm_head"],
-    "wandb.enabled": True,
     "comet.enabled": True,
     "comms_logger.enabled": True,
     "checkpoint.load_universal": True,

@@ -55,6 +55,7 @@ from ._monitoring import (
     CSVMonitorConfig,
     FlopsProfilerConfig,
     JSONLMonitorConfig,
+    MLflowConfig,
     TensorBoardConfig,
     WandbConfig,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "CometConfig",
     "CommsLoggerConfig",
     "JSONLMonitorConfig",
+    "MLflowConfig",
     "AutotuningConfig",
     "AutotuningModelInfoConfig",
     "CheckpointConfig",

@@ -1,9 +1,9 @@
 """What the run measures and where it reports: the FLOPs profiler, the metric monitors
-(TensorBoard, CSV, JSON lines, Weights & Biases, Comet) and the communication logger.
+(TensorBoard, CSV, JSON lines, Weights & Biases, MLflow, Comet) and the communication logger.
 
-The monitor blocks share DeepSpeed's layout (``enabled``, ``output_path``, ``job_name``);
-``jsonl_monitor`` is shardtrain's own and DeepSpeed ignores it. The planned monitors are modelled
-in full so that their keys are checked even while the feature is refused.
+The file monitor blocks share DeepSpeed's layout (``enabled``, ``output_path``, ``job_name``);
+``jsonl_monitor`` and ``mlflow`` are shardtrain's own and DeepSpeed ignores them. The planned
+monitors are modelled in full so that their keys are checked even while the feature is refused.
 """
 
 from typing import ClassVar, List, Optional
@@ -19,6 +19,7 @@ __all__ = [
     "CommsLoggerConfig",
     "FlopsProfilerConfig",
     "JSONLMonitorConfig",
+    "MLflowConfig",
     "TensorBoardConfig",
     "WandbConfig",
 ]
@@ -71,7 +72,8 @@ class JSONLMonitorConfig(_ConfigModel):
 
 
 class WandbConfig(_ConfigModel):
-    """``wandb`` monitor (planned)."""
+    """``wandb`` monitor: the run's scalars and its resolved config to Weights & Biases (rank 0;
+    ``WANDB_MODE=offline`` writes them locally, and wandb's other variables apply)."""
 
     config_path: ClassVar[str] = "wandb"
 
@@ -79,6 +81,19 @@ class WandbConfig(_ConfigModel):
     group: Optional[_Str] = Field(None, description="run group")
     team: Optional[_Str] = Field(None, description="team")
     project: _Str = Field("deepspeed", description="project")
+
+
+class MLflowConfig(_ConfigModel):
+    """``mlflow`` monitor (shardtrain's own; DeepSpeed ignores the key): the run's scalars and its
+    resolved config (as parameters) to an MLflow run (rank 0)."""
+
+    config_path: ClassVar[str] = "mlflow"
+
+    enabled: _Bool = Field(False, description="log to MLflow (shardtrain only)")
+    tracking_uri: Optional[_Str] = Field(None, description="tracking server or store; null = MLflow's own "
+                                                           "default (MLFLOW_TRACKING_URI)")
+    experiment_name: _Str = Field("DeepSpeedJobName", description="experiment the run goes to")
+    run_name: Optional[_Str] = Field(None, description="run name; null = MLflow picks one")
 
 
 class CometConfig(_ConfigModel):

@@ -29,6 +29,7 @@ from ._monitoring import (
     CSVMonitorConfig,
     FlopsProfilerConfig,
     JSONLMonitorConfig,
+    MLflowConfig,
     TensorBoardConfig,
     WandbConfig,
 )
@@ -113,6 +114,7 @@ class ShardConfig(_ConfigModel):
     comet: CometConfig = Field(default_factory=CometConfig, description="Comet monitor")
     jsonl_monitor: JSONLMonitorConfig = Field(default_factory=JSONLMonitorConfig,
                                               description="JSON-lines monitor (shardtrain only)")
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig, description="MLflow monitor (shardtrain only)")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="communication logger")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile")

@@ -43,8 +43,8 @@ PLANNED: Dict[str, str] = {
     "data_types.grad_accum_dtype": "gradient accumulation in a dtype other than the model's",
     "data_types.buffer_dtype": "casting module buffers to a given dtype",
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
-    "wandb.enabled": "the Weights & Biases monitor",
-    "comet.enabled": "the Comet monitor",
+    "comet.enabled": "the Comet monitor (meanwhile, log to wandb, mlflow, tensorboard, csv_monitor "
+                     "or jsonl_monitor)",
     "comms_logger.enabled": "the communication logger",
     "checkpoint.load_universal": "universal checkpoints",
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",

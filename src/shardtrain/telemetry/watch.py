@@ -27,7 +27,7 @@ from ..log import log_dist, log_dist_once
 from ._flops_window import FlopsWindow
 from ._memory_probe import MemoryProbe
 from .flops import peak_flops
-from .monitors import build_monitors
+from .monitors import build_monitors, monitoring
 from .timers import Timers
 
 __all__ = ["StepWatch", "build_watch"]
@@ -47,7 +47,7 @@ class StepWatch:
         self.engine = engine
         self.rank0 = engine.global_rank == 0
         # Every rank takes part in the per-step gather, rank 0 alone writes.
-        self.monitoring = any(b.enabled for b in (cfg.jsonl_monitor, cfg.csv_monitor, cfg.tensorboard))
+        self.monitoring = monitoring(cfg)
         self.monitors = build_monitors(cfg) if self.monitoring and self.rank0 else []
         timing = cfg.wall_clock_breakdown or cfg.flops_profiler.enabled  # as in DeepSpeed
         self.timers = Timers() if timing else None
