@@ -65,8 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="the tiny model, 2 steps (smoke run)")
     p.add_argument("--micro", type=int, default=4, help="micro-batch per replica (default 4)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--stage", type=int, default=1, choices=(0, 1, 2),
-                   help="ZeRO stage of every mesh (default 1)")
+    p.add_argument("--stage", type=int, default=1, choices=(0, 1, 2, 3),
+                   help="ZeRO stage of every mesh (default 1; at 3, which shards as FSDP2 does, "
+                        "ZeRO's bytes are measured without an analytic volume)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per mesh (default 6)")
     p.add_argument("--meshes", help="comma-separated subset of the meshes, e.g. dp4,dp2xtp2")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
@@ -134,7 +135,7 @@ def analytic(fields: Dict[str, Any], tp: int, sp: int, dp: int, micro: int, seq:
         kv = max(fields["num_key_value_heads"], sp) * head_dim  # kv heads copied up to S
         out["sp"] = 2 * layers * (2 * tokens * h + 2 * tokens * kv) * 4
     n = dp * sp
-    if n > 1:
+    if n > 1 and stage < 3:
         out["zero"] = 4 * local_params if stage == 0 else 4 * local_params + 4 * local_params // n
     return out
 
@@ -163,23 +164,24 @@ def _shardtrain_run(args, fields, name: str, tp: int, sp: int, world: int, devic
         engine, *_ = shardtrain.initialize(model=_llama(fields, args.seq), config=config)
         replica = engine.mesh.coordinate()["dp"]
         times, losses = [], []
-        for step in range(args.steps + 1):
-            rows = _global_batch(step, world, args.micro, args.seq, fields["vocab_size"])
-            mine = rows.view(dp, -1, args.seq)[replica]
-            batch = {"input_ids": mine, "labels": mine.clone()}
-            if sp > 1:
-                batch = shard_sequence(batch, engine.mesh.sp)
-            batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            counter.on = step > 0  # the first step warms up
-            _sync(device)
-            start = time.perf_counter()
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            _sync(device)
-            if step > 0:
-                times.append(time.perf_counter() - start)
-            losses.append(float(loss.detach()))
+        with peak_memory() as train:  # the steps alone, above the set-up
+            for step in range(args.steps + 1):
+                rows = _global_batch(step, world, args.micro, args.seq, fields["vocab_size"])
+                mine = rows.view(dp, -1, args.seq)[replica]
+                batch = {"input_ids": mine, "labels": mine.clone()}
+                if sp > 1:
+                    batch = shard_sequence(batch, engine.mesh.sp)
+                batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                counter.on = step > 0  # the first step warms up
+                _sync(device)
+                start = time.perf_counter()
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                _sync(device)
+                if step > 0:
+                    times.append(time.perf_counter() - start)
+                losses.append(float(loss.detach()))
         counter.on = False
     comm.remove_observer(counter)
     local = sum(p.numel() if not hasattr(p, "ds_numel") else p.ds_numel
@@ -193,7 +195,8 @@ def _shardtrain_run(args, fields, name: str, tp: int, sp: int, world: int, devic
     return {"mesh": name, "engine": "shardtrain", "step_s": statistics.median(times),
             "losses": losses, "bytes": by_class, "total_bytes": sum(per_step.values()),
             "analytic": want, "ratio": _ratios(by_class, want), "peak_host": peak["host"],
-            "peak_device": peak["device"], "model_state_bytes": states["total"],
+            "peak_device": peak["device"], "train_peak_host": train["host"],
+            "train_peak_device": train["device"], "model_state_bytes": states["total"],
             "local_params": local}
 
 
@@ -221,22 +224,39 @@ def _torch_run(args, fields, name: str, tp: int, world: int, device: str):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         replica = mesh["dp"].get_local_rank()
         times, losses = [], []
-        for step in range(args.steps + 1):
-            rows = _global_batch(step, world, args.micro, args.seq, fields["vocab_size"])
-            mine = rows.view(dp, -1, args.seq)[replica].to(device)
-            _sync(device)
-            start = time.perf_counter()
-            loss = model(input_ids=mine, labels=mine).loss
-            loss.backward()
-            _clip_dtensor_grads(model, 1.0)
-            opt.step()
-            opt.zero_grad()
-            _sync(device)
-            if step > 0:
-                times.append(time.perf_counter() - start)
-            losses.append(float(loss.detach()))
-    return {"mesh": name, "engine": "torch TP+FSDP2" if dp > 1 else "torch TP", "step_s": statistics.median(times),
-            "losses": losses, "peak_host": peak["host"], "peak_device": peak["device"]}
+        with peak_memory() as train:  # the steps alone, above the set-up
+            for step in range(args.steps + 1):
+                rows = _global_batch(step, world, args.micro, args.seq, fields["vocab_size"])
+                mine = rows.view(dp, -1, args.seq)[replica].to(device)
+                _sync(device)
+                start = time.perf_counter()
+                loss = model(input_ids=mine, labels=mine).loss
+                loss.backward()
+                _clip_dtensor_grads(model, 1.0)
+                opt.step()
+                opt.zero_grad()
+                _sync(device)
+                if step > 0:
+                    times.append(time.perf_counter() - start)
+                losses.append(float(loss.detach()))
+    return {"mesh": name, "engine": "torch TP+FSDP2" if dp > 1 else "torch TP",
+            "step_s": statistics.median(times), "losses": losses, "peak_host": peak["host"],
+            "peak_device": peak["device"], "train_peak_host": train["host"],
+            "train_peak_device": train["device"], "model_state_bytes": _torch_states(model, opt)}
+
+
+def _torch_states(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, their gradients (as many; alive from backward to
+    ``zero_grad``) and optimizer states, DTensors by their local shards."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    params = list(model.parameters())
+    states = [v for s in opt.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return sum(local(p) for p in params) * 2 + sum(local(v) for v in states)
 
 
 def _clip_dtensor_grads(model: torch.nn.Module, max_norm: float) -> float:
@@ -309,26 +329,28 @@ def summarise(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     row["losses"] = [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))]
     row["peak_host"] = max(r["peak_host"] or 0 for r in ranks)
     row["peak_device"] = max(r["peak_device"] or 0 for r in ranks)
+    row["train_peak_host"] = max(r["train_peak_host"] or 0 for r in ranks)
+    row["train_peak_device"] = max(r["train_peak_device"] or 0 for r in ranks)
     if "bytes" in row:
         row["bytes_per_rank"] = [r["bytes"] for r in ranks]
         row["ratio"] = {k: max(r["ratio"][k] for r in ranks) for k in row["ratio"]}
-        row["model_state_bytes"] = max(r["model_state_bytes"] for r in ranks)
+    row["model_state_bytes"] = max(r["model_state_bytes"] for r in ranks)
     return row
 
 
 def report(rows: List[Dict[str, Any]], args) -> Dict[str, Any]:
     base = {r["mesh"]: r["step_s"] for r in rows if r["engine"] == "shardtrain"}
-    print(f"{'mesh':<10}{'engine':<16}{'step ms':>9}{'loss':>9}{'peak MiB':>10}{'states MiB':>11}"
-          f"  bytes/step/rank: measured / analytic (ratio)")
+    print(f"{'mesh':<10}{'engine':<16}{'step ms':>9}{'loss':>9}{'peak MiB':>10}{'steps MiB':>10}"
+          f"{'states MiB':>11}  bytes/step/rank: measured / analytic (ratio)")
     for r in rows:
         peak = (r["peak_device"] or r["peak_host"]) / 2**20
-        states = f"{r['model_state_bytes'] / 2**20:>11.2f}" if "model_state_bytes" in r else \
-            f"{'-':>11}"
+        steps = (r["train_peak_device"] or r["train_peak_host"]) / 2**20
+        states = f"{r['model_state_bytes'] / 2**20:>11.2f}"
         volume = "  ".join(f"{k} {_mib(r['bytes'][k])}/{_mib(v)} ({r['ratio'][k]:.3f})"
                            for k, v in r["analytic"].items()) if "analytic" in r else \
             f"step {r['step_s'] / base[r['mesh']]:.2f}x shardtrain's"
         print(f"{r['mesh']:<10}{r['engine']:<16}{1000 * r['step_s']:>9.1f}{r['losses'][-1]:>9.4f}"
-              f"{peak:>10.1f}{states}  {volume}")
+              f"{peak:>10.1f}{steps:>10.1f}{states}  {volume}")
     return {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
 
 
