@@ -29,7 +29,7 @@ import torch
 from .. import __version__, accelerator, comm
 from .._sizes import format_bytes, parse_size
 from ._common import _default_nproc, _Failure, _positive_int
-from ._info import _deepspeed, _launcher, _package_versions
+from ._info import _deepspeed, _host, _launcher, _package_versions
 
 _DOCTOR_EXAMPLES = """\
 examples:
@@ -169,7 +169,7 @@ def _this_rank(device: torch.device) -> Dict[str, Any]:
             "device_name": gpu["name"] if gpu else None,
             "device_memory": {"free": gpu["free_memory"], "total": gpu["total_memory"]}
             if gpu else None,
-            "host_memory_available": _available_host_memory(),
+            "host_memory_available": _host()["memory_available"],
             "variables": launcher["variables"]}
 
 
@@ -187,17 +187,6 @@ def _optional() -> Dict[str, Optional[str]]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def _available_host_memory() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # not Linux
-        pass
-    return None
 
 
 def _timed(fn: Callable[[], Any], iters: int) -> float:
