@@ -16,8 +16,8 @@ B sequences of T tokens, L layers of width H (fp32, 4 bytes):
 
 * tensor-parallel group: the row-parallel layers' all-reduce of their output in forward
   (o_proj, down_proj: 2 per layer) and the column-parallel layers' all-reduce of their
-  input's gradient in backward (q, k, v, gate, up: 5 per layer, as DeepSpeed's AutoTP
-  layers do), each ``B*T*H*4`` bytes;
+  input's gradient in backward, once per shared input (q, k and v read one; gate and up
+  another: 2 per layer), each ``B*T*H*4`` bytes;
 * sequence-parallel group: Ulysses's all-to-all of q, k, v and the attention output, in
   forward and again in backward, each this rank's ``B*T/S`` tokens of its heads;
 * ZeRO's group (the data- x sequence-parallel ranks, N of them): the gradients of this
@@ -130,7 +130,7 @@ def analytic(fields: Dict[str, Any], tp: int, sp: int, dp: int, micro: int, seq:
     tokens = micro * (seq // sp)  # this rank's tokens per micro-batch
     out = {}
     if tp > 1:
-        out["tp"] = layers * (2 + 5) * tokens * h * 4
+        out["tp"] = layers * (2 + 2) * tokens * h * 4
     if sp > 1:
         kv = max(fields["num_key_value_heads"], sp) * head_dim  # kv heads copied up to S
         out["sp"] = 2 * layers * (2 * tokens * h + 2 * tokens * kv) * 4

@@ -18,7 +18,7 @@ from torch import nn
 import gpt
 from _dist import run_cases
 from shardtrain import comm
-from shardtrain.parallel import (ColumnParallelLinear, RowParallelLinear, SplitSpec,
+from shardtrain.parallel import (ColumnParallelLinear, RowParallelLinear, SharedInput, SplitSpec,
                                  apply_autotp, gather_from_group, is_tp_split,
                                  scatter_to_group, vocab_parallel_cross_entropy)
 
@@ -240,9 +240,49 @@ def building_blocks(mesh: comm.Mesh) -> Dict[str, Any]:
         out.sum().backward()
     finally:
         comm.remove_observer(observer)
+    shared = _shared_input(group)
     return {"gather_backward": gather_ok, "scatter_backward": scatter_ok,
             "forward_ops": forward, "backward_ops": seen[len(forward):],
-            "up_repr": repr(up), "down_repr": repr(down)}
+            "up_repr": repr(up), "down_repr": repr(down), **shared}
+
+
+def _shared_input(group: comm.Group) -> Dict[str, Any]:
+    """Three column layers reading one input (q, k, v) and a row layer after them: one
+    all-reduce in backward for the three input gradients, and the input's gradient is the
+    plain layers' (computed without any split)."""
+    torch.manual_seed(2)
+    plain = [nn.Linear(8, 16) for _ in range(3)]
+    proj = nn.Linear(16, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    (proj(sum(layer(x) for layer in plain))).pow(2).sum().backward()
+    block = _Summed([ColumnParallelLinear.from_linear(layer, group) for layer in plain])
+    shared = SharedInput().attach(block)
+    for layer in block.layers:
+        layer.shared = shared
+    row = RowParallelLinear.from_linear(proj, group)
+    x_split = x.detach().clone().requires_grad_()
+    seen = []
+    observer = lambda op, t: seen.append(op)  # noqa: E731
+    comm.add_observer(observer)
+    try:
+        out = row(block(x_split))
+        forward = len(seen)
+        out.pow(2).sum().backward()
+    finally:
+        comm.remove_observer(observer)
+    return {"shared_backward_ops": seen[forward:], "entries_left": len(shared._entries),
+            "shared_grad_err": (x_split.grad - x.grad).abs().max().item()}
+
+
+class _Summed(nn.Module):
+    """Layers that read one input, their outputs summed (a stand-in for q, k and v)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
 
 
 def _error(fn: Callable[[], Any]) -> str:

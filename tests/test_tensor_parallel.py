@@ -120,6 +120,10 @@ def test_building_blocks_gradients_and_collectives(two):
         assert got["gather_backward"] and got["scatter_backward"]
         assert got["forward_ops"] == ["all_reduce"]   # the row layer's sum
         assert got["backward_ops"] == ["all_reduce"]  # the column layer's input gradient
+        # q, k and v read one input: their gradients are summed before one all-reduce
+        assert got["shared_backward_ops"] == ["all_reduce"]
+        assert got["shared_grad_err"] < 1e-5
+        assert got["entries_left"] == 0  # nothing held after the block's forward
     assert result(two, "blocks", 1)["up_repr"] == (
         "ColumnParallelLinear(in_features=8, out_features=8, bias=True, tp=2, rank=1, "
         "gather_output=False)")

@@ -19,12 +19,12 @@ from ._layout import SplitSpec, is_tp_split
 from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from .autotp import TPEntry, TPPlan, apply_autotp, autotp_splits
 from .mpu import MeshMPU, mesh_from_mpu
-from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     vocab_parallel_cross_entropy)
+from .tensor import (ColumnParallelLinear, RowParallelLinear, SharedInput,
+                     VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from .ulysses import UlyssesPlan, enable_ulysses, shard_sequence
 
 __all__ = ["SplitSpec", "is_tp_split", "copy_to_group", "reduce_from_group", "gather_from_group",
-           "scatter_to_group", "ColumnParallelLinear", "RowParallelLinear",
+           "scatter_to_group", "ColumnParallelLinear", "RowParallelLinear", "SharedInput",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "apply_autotp",
            "autotp_splits", "TPPlan", "TPEntry", "UlyssesPlan", "enable_ulysses", "shard_sequence", "MeshMPU",
            "mesh_from_mpu"]

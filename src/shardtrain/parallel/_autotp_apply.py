@@ -16,7 +16,7 @@ from .. import comm
 from ._autotp_match import Actions, LinearSplit, Registered
 from ._tp_autograd import copy_to_group, reduce_from_group
 from ._layout import SplitSpec
-from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _shard_of
+from .tensor import ColumnParallelLinear, RowParallelLinear, SharedInput, VocabParallelEmbedding, _shard_of
 
 
 def execute(root: nn.Module, group: comm.Group, actions: Actions) -> Dict[int, str]:
@@ -24,6 +24,7 @@ def execute(root: nn.Module, group: comm.Group, actions: Actions) -> Dict[int, s
     kinds: Dict[int, str] = {}
     for split in actions.linears:
         _split_linear(root, group, split, kinds)
+    _share_inputs(root, actions)
     for at in actions.embeddings:
         embedding = VocabParallelEmbedding.from_embedding(at.module, group)
         _replace(root, at.module_name, embedding)
@@ -34,6 +35,22 @@ def execute(root: nn.Module, group: comm.Group, actions: Actions) -> Dict[int, s
         setattr(module, attr, count)
     _localise_configs(actions)
     return kinds
+
+
+def _share_inputs(root: nn.Module, actions: Actions) -> None:
+    """The column-parallel layers of one block (siblings: q, k, v; gate, up) share their
+    entry into the group (:class:`~shardtrain.parallel.tensor.SharedInput`): one all-reduce
+    in backward for the layers that read the same input."""
+    siblings: Dict[str, list] = {}
+    for split in actions.linears:
+        if split.kind == "column" and not split.head and not split.tied:
+            parent = split.at.module_name.rpartition(".")[0]
+            siblings.setdefault(parent, []).append(root.get_submodule(split.at.module_name))
+    for parent, layers in siblings.items():
+        if len(layers) > 1:
+            shared = SharedInput().attach(root.get_submodule(parent) if parent else root)
+            for layer in layers:
+                layer.shared = shared
 
 
 def _replace(root: nn.Module, module_name: str, new: nn.Module) -> None:
