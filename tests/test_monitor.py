@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import csv
+import fcntl
 import importlib.util
 import json
+import os
+import pty
+import struct
+import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -160,7 +166,6 @@ TRACKER_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FI
 def train_with_trackers(rank: int, world_size: int, out: str) -> dict:
     """2 ranks train with Weights & Biases (offline), MLflow (a file store) and the JSON-lines
     monitor on; rank 0 writes to all three."""
-    import os
     os.environ["WANDB_DIR"] = out
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -290,6 +295,49 @@ def test_progress_is_quiet_without_a_terminal_and_on_other_ranks(capsys, monkeyp
     with Progress(total=4, every=1, enabled=True) as bar:
         bar.update(loss=1.0)
     assert capsys.readouterr().err == "" and bar._bar is None
+
+
+_BAR_SCRIPT = """
+import torch, shardtrain
+from shardtrain.telemetry import Progress
+torch.manual_seed(0)
+engine, *_ = shardtrain.initialize(model=torch.nn.Embedding(10, 4), config={
+    "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+with Progress(total=3, engine=engine) as bar:
+    for _ in range(3):
+        engine.backward(engine(torch.randint(0, 10, (2, 5))).pow(2).mean())
+        engine.step()
+        bar.update()
+"""
+
+
+def test_progress_draws_a_bar_in_a_terminal_and_nothing_in_a_log(tmp_path):
+    """The same script, by default: a tqdm bar when stderr is a terminal (a pseudo-terminal
+    here), nothing when it goes to a file."""
+    script = tmp_path / "bar.py"
+    script.write_text(_BAR_SCRIPT)
+    env = dict(os.environ)
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=follower, stdout=follower,
+                            stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the script ended
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=120) == 0, seen.decode(errors="replace")[-2000:]
+    os.close(leader)
+    text = seen.decode(errors="replace")
+    assert "train: 100%" in text and "3/3" in text and "loss=" in text, text[-2000:]
+    logged = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert logged.returncode == 0 and logged.stderr == "" and logged.stdout == "", logged.stderr
 
 
 def test_progress_shows_the_engine_loss_and_throughput(capsys):
