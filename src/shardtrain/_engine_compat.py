@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from . import comm
 from .full_weights import full_state_dict
 from .zero.strategy import ParamSlot
 
@@ -206,6 +207,7 @@ class DeepSpeedEngineAPI:
         self._strategy.remove_hooks()
         self._load_hook.remove()
         _ENGINES.discard(self)
+        comm.set_position(None)
 
     # -- parameters, as the safe_get_full_* helpers reach them -------------------------------
 

@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -29,7 +30,7 @@ __all__ = [
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
     "scatter", "all_to_all_single",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
-    "split_groups",
+    "split_groups", "CollectiveError", "set_position",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
     "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
 ]
@@ -38,6 +39,9 @@ logger = logging.getLogger("shardtrain")
 
 # DeepSpeed reads its timeout (in minutes) from this variable; we honour the same name.
 _TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
+_TIMEOUT_SECONDS_ENV = "SHARDTRAIN_COLLECTIVE_TIMEOUT"  # seconds; wins over DEEPSPEED_TIMEOUT
+_failures = 0  # collectives that failed in this process: the group is broken after one
+_ROLL_CALL_SECONDS = 5.0  # how long the survivors of a failed collective wait for each other
 _DEFAULT_TIMEOUT_MIN = 10
 
 
@@ -91,6 +95,9 @@ def detect_launch_env(distributed_port: int = 29500) -> LaunchEnv:
 
 
 def _timeout() -> datetime.timedelta:
+    seconds = os.environ.get(_TIMEOUT_SECONDS_ENV)
+    if seconds:
+        return datetime.timedelta(seconds=float(seconds))
     minutes = float(os.environ.get(_TIMEOUT_ENV, _DEFAULT_TIMEOUT_MIN))
     return datetime.timedelta(minutes=minutes)
 
@@ -176,15 +183,22 @@ def destroy() -> None:
 
     The ranks meet first: a rank that finished its last collective may otherwise close its
     connections while a peer is still receiving that collective's final bytes, and the peer
-    aborts.
+    aborts. After a :class:`CollectiveError` the group is broken: no meeting, and the group is
+    torn down as far as it can be.
     """
     global _owns_group, _side
     for fn in list(_before_destroy):
         fn()
     if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
+        if _failures:
+            try:
+                dist.destroy_process_group()
+            except RuntimeError as err:  # the peers are gone: nothing left to say to them
+                logger.debug("destroy after a failed collective: %s", err)
+        else:
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
     _owns_group, _side = False, None
 
 
@@ -239,19 +253,98 @@ def available_backends() -> dict:
 
 def barrier(group: Optional["Group"] = None) -> None:
     if get_world_size(group) > 1:
-        dist.barrier(group=_handle(group))
+        _guarded("barrier", group, None, lambda: dist.barrier(group=_handle(group)))
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete within the timeout: the message names this
+    rank, the collective, where training was (:func:`set_position`), and the ranks of the
+    group that did not answer the survivors' roll call through the rendezvous store."""
+
+
+_position: Optional[Callable[[], str]] = None
+
+
+def set_position(describe: Optional[Callable[[], str]]) -> None:
+    """``describe()`` says where this rank is (``"step 3, micro-step 2, backward"``) when a
+    collective fails; the engine sets it."""
+    global _position
+    _position = describe
+
+
+def _guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
+             call: Callable[[], object]):
+    """``call()``; a failure of torch's collective becomes a :class:`CollectiveError` that
+    says who and where."""
+    try:
+        return call()
+    except RuntimeError as err:  # torch's DistBackendError and gloo's timeouts included
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(_explain(op, group, tensor, err)) from err
+
+
+def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
+             err: BaseException) -> str:
+    global _failures
+    _failures += 1
+    me = get_rank()
+    ranks = group.ranks() if group is not None else list(range(get_world_size()))
+    what = op if tensor is None else (f"{op} of {tensor.numel():,} {str(tensor.dtype).replace('torch.', '')} "
+                                      f"elements")
+    where = _position() if _position is not None else "outside a training step"
+    name = group.name if group is not None else "world"
+    cause = " ".join(str(err).split())[:300]
+    head = f"rank {me}: {what} over the {name} group (ranks {_spans(ranks)}) failed at {where}: {cause}"
+    missing = _roll_call(ranks, me)
+    if missing is None:
+        tail = ("the rendezvous store, which rank 0 hosts, does not answer: rank 0 ended or its "
+                "node cannot be reached; its output says why")
+    elif missing:
+        tail = (f"rank(s) {_spans(missing)} did not answer within {_ROLL_CALL_SECONDS:.0f} s: "
+                "ended, or stuck before this collective (in a different branch, a data loader, "
+                "I/O); their output says where")
+    else:
+        tail = ("every rank of the group answered: they issued different collectives, or the "
+                "network between them failed")
+    return f"{head}\n  {tail[0].upper()}{tail[1:]}."
+
+
+def _roll_call(ranks: List[int], me: int) -> Optional[List[int]]:
+    """The ranks of ``ranks`` that do not write their key to the rendezvous store within
+    ``_ROLL_CALL_SECONDS`` (after this rank writes its own); None when the store is gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=_ROLL_CALL_SECONDS))
+        prefix = f"shardtrain/failure/{_failures}/"
+        store.set(f"{prefix}{me}", "here")
+        deadline = time.monotonic() + _ROLL_CALL_SECONDS
+        while True:
+            missing = [r for r in ranks if not store.check([f"{prefix}{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # the store itself failed: rank 0's process is gone
+        return None
+
+
+def _spans(ranks: List[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 class Work:
     """A handle on an asynchronous collective; ``wait()`` is idempotent."""
 
-    def __init__(self, handle=None, then: Optional[Callable[[], None]] = None):
+    def __init__(self, handle=None, then: Optional[Callable[[], None]] = None,
+                 op: str = "collective", group: Optional["Group"] = None,
+                 tensor: Optional[torch.Tensor] = None):
         self._handle, self._then = handle, then
+        self._op, self._group, self._tensor = op, group, tensor
 
     def wait(self) -> None:
         if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
+            handle, self._handle = self._handle, None
+            _guarded(self._op, self._group, self._tensor, handle.wait)
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -315,12 +408,16 @@ def all_reduce(tensor: torch.Tensor, op="sum", group: Optional["Group"] = None,
     if size == 1:
         return Work()
     if reduce_op == dist.ReduceOp.AVG and dist.get_backend() != "nccl":  # gloo has no AVG: sum, divide
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=handle, async_op=async_op)
+        work = _guarded("all_reduce", group, tensor, lambda: dist.all_reduce(
+            tensor, op=dist.ReduceOp.SUM, group=handle, async_op=async_op))
         if not async_op:
             tensor.div_(size)
             return Work()
-        return Work(work, then=lambda: tensor.div_(size))
-    return Work(dist.all_reduce(tensor, op=reduce_op, group=handle, async_op=async_op))
+        return Work(work, then=lambda: tensor.div_(size), op="all_reduce", group=group,
+                    tensor=tensor)
+    return Work(_guarded("all_reduce", group, tensor, lambda: dist.all_reduce(
+        tensor, op=reduce_op, group=handle, async_op=async_op)), op="all_reduce", group=group,
+        tensor=tensor)
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -336,7 +433,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = F
     if get_world_size(group) == 1:
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return Work()
-    return Work(_reduce_scatter_flat(output, input, group=_handle(group), async_op=async_op))
+    return Work(_guarded("reduce_scatter", group, input, lambda: _reduce_scatter_flat(
+        output, input, group=_handle(group), async_op=async_op)), op="reduce_scatter",
+        group=group, tensor=input)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
@@ -346,14 +445,17 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     if get_world_size(group) == 1:
         output.view(-1).copy_(input.view(-1))
         return Work()
-    return Work(_all_gather_flat(output, input, group=_handle(group), async_op=async_op))
+    return Work(_guarded("all_gather", group, input, lambda: _all_gather_flat(
+        output, input, group=_handle(group), async_op=async_op)), op="all_gather",
+        group=group, tensor=input)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional["Group"] = None) -> None:
     """``src``'s values (``src`` a rank of ``group``) into ``tensor`` on every rank of it."""
     _notify("broadcast", tensor, group)
     if get_world_size(group) > 1:
-        dist.broadcast(tensor, src=_global(group, src), group=_handle(group))
+        _guarded("broadcast", group, tensor,
+                 lambda: dist.broadcast(tensor, src=_global(group, src), group=_handle(group)))
 
 
 def scatter(output: torch.Tensor, rows: Optional[torch.Tensor], src: int = 0,
@@ -365,8 +467,9 @@ def scatter(output: torch.Tensor, rows: Optional[torch.Tensor], src: int = 0,
         output.view(-1).copy_(rows[0].view(-1))
         return Work()
     chunks = list(rows.unbind(0)) if get_rank(group) == src else None
-    return Work(dist.scatter(output, chunks, src=_global(group, src), group=_handle(group),
-                             async_op=async_op))
+    return Work(_guarded("scatter", group, output, lambda: dist.scatter(
+        output, chunks, src=_global(group, src), group=_handle(group), async_op=async_op)),
+        op="scatter", group=group, tensor=output)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -377,7 +480,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     if get_world_size(group) == 1:
         output.copy_(input)
         return
-    dist.all_to_all_single(output, input, group=_handle(group))
+    _guarded("all_to_all", group, input,
+             lambda: dist.all_to_all_single(output, input, group=_handle(group)))
 
 
 def all_gather_object(obj, group: Optional["Group"] = None) -> list:
@@ -386,7 +490,8 @@ def all_gather_object(obj, group: Optional["Group"] = None) -> list:
     if size == 1:
         return [obj]
     out: list = [None] * size
-    dist.all_gather_object(out, obj, group=_handle(group))
+    _guarded("all_gather_object", group, None,
+             lambda: dist.all_gather_object(out, obj, group=_handle(group)))
     return out
 
 
@@ -477,7 +582,8 @@ def broadcast_object(obj, src: int = 0, group: Optional[Group] = None):
     if get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=_global(group, src), group=_handle(group))
+    _guarded("broadcast_object", group, None, lambda: dist.broadcast_object_list(
+        box, src=_global(group, src), group=_handle(group)))
     return box[0]
 
 

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -65,6 +66,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.device = accelerator.device()
         self.train_state = TrainState()
         self._phase = Phase.IDLE
+        engine = weakref.ref(self)  # comm holds no engine alive
+        comm.set_position(lambda: engine()._position() if engine() is not None else
+                          "after the engine was released")
         self._no_sync = False           # inside no_sync(): backward passes do not synchronise
         self._boundary_override: Optional[bool] = None
         self._backward_calls = 0        # backward passes since the last step
@@ -674,6 +678,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             zero_stage=self._strategy.stage,
             gradient_accumulation_steps=self.gradient_accumulation_steps(), device=self.device,
             mesh=self.mesh)
+
+    def _position(self) -> str:
+        """Where training is, for the message of a failed collective."""
+        gas = self.gradient_accumulation_steps()
+        return (f"step {self.global_steps + 1}, micro-step {self.micro_steps % gas + 1} of {gas}, "
+                f"in {self._phase.value}")
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this rank holds: parameters, gradients, optimizer states
