@@ -102,9 +102,13 @@ def global_norm(grads: Sequence[torch.Tensor], device: torch.device, groups: Nor
     if _size(groups.tensor) > 1:
         parts = [g for g, s in zip(grads, split) if s]
         whole = [g for g, s in zip(grads, split) if not s]
-        squared = local_norm(parts, device).square().reshape(1).to(device)
-        comm.all_reduce(squared, group=groups.tensor)
-        squared += local_norm(whole, device).square().reshape(1).to(device)
+        squared = torch.stack([local_norm(parts, device).square().to(device),
+                               local_norm(whole, device).square().to(device)])
+        if _covers_world(groups):  # one collective: the replicated part counted tp times
+            comm.all_reduce(squared)
+            return (squared[0] + squared[1] / groups.tensor.size()).sqrt()
+        comm.all_reduce(squared[:1], group=groups.tensor)
+        squared = squared.sum().reshape(1)
     elif groups.data is None:
         return local_norm(grads, device)
     else:
@@ -114,6 +118,13 @@ def global_norm(grads: Sequence[torch.Tensor], device: torch.device, groups: Nor
     return squared.sqrt()[0]
 
 
+def _covers_world(groups: NormGroups) -> bool:
+    """Whether the data- and tensor-parallel groups together are the world (a mesh), so that
+    one collective over the world replaces one over each."""
+    return (_size(groups.data) > 0 and _size(groups.tensor) > 0
+            and groups.data.size() * groups.tensor.size() == comm.get_world_size())
+
+
 def all_finite(grads: Sequence[torch.Tensor], device: torch.device, groups: NormGroups
                ) -> bool:
     """Whether every element of the whole model's gradient is finite, the same answer on
@@ -121,10 +132,12 @@ def all_finite(grads: Sequence[torch.Tensor], device: torch.device, groups: Norm
     makes it non-finite; slices add their sums across ranks (one scalar)."""
     total = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads \
         else torch.zeros((), device=device)
-    for group in (groups.tensor, groups.data):
-        if _size(group) > 1:
-            total = total.reshape(1).to(device)
-            comm.all_reduce(total, group=group)
+    # finiteness survives counting a value twice: one collective over a mesh's world
+    reductions = [comm.WORLD] if _covers_world(groups) else \
+        [g for g in (groups.tensor, groups.data) if _size(g) > 1]
+    for group in reductions:
+        total = total.reshape(1).to(device)
+        comm.all_reduce(total, group=group)
     return math.isfinite(total.item())  # the one host synchronisation of such a step
 
 
