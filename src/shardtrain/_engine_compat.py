@@ -207,7 +207,7 @@ class DeepSpeedEngineAPI:
         self._strategy.remove_hooks()
         self._load_hook.remove()
         _ENGINES.discard(self)
-        comm.set_position(None)
+        comm.set_position(None, replacing=self._describe_position)
 
     # -- parameters, as the safe_get_full_* helpers reach them -------------------------------
 

@@ -265,11 +265,14 @@ class CollectiveError(RuntimeError):
 _position: Optional[Callable[[], str]] = None
 
 
-def set_position(describe: Optional[Callable[[], str]]) -> None:
+def set_position(describe: Optional[Callable[[], str]],
+                 replacing: Optional[Callable[[], str]] = None) -> None:
     """``describe()`` says where this rank is (``"step 3, micro-step 2, backward"``) when a
-    collective fails; the engine sets it."""
+    collective fails; the engine sets it. With ``replacing``, only if that is the one set
+    (an engine released after a newer one was built leaves the newer one's)."""
     global _position
-    _position = describe
+    if replacing is None or _position is replacing:
+        _position = describe
 
 
 def _guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
@@ -305,8 +308,8 @@ def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
                 "ended, or stuck before this collective (in a different branch, a data loader, "
                 "I/O); their output says where")
     else:
-        tail = ("every rank of the group answered: they issued different collectives, or the "
-                "network between them failed")
+        tail = ("every rank of the group answered: they issued different collectives, the "
+                "network between them failed, or torch refused the call itself (see the cause)")
     return f"{head}\n  {tail[0].upper()}{tail[1:]}."
 
 

@@ -26,7 +26,7 @@ from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
-from .parallel._assemble import Parallelism, build_mesh, parallelize
+from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
 from .state import Phase, TrainingParts, TrainState
 from .telemetry import StepWatch, build_watch
@@ -67,8 +67,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.train_state = TrainState()
         self._phase = Phase.IDLE
         engine = weakref.ref(self)  # comm holds no engine alive
-        comm.set_position(lambda: engine()._position() if engine() is not None else
-                          "after the engine was released")
+        self._describe_position = (lambda: engine()._position() if engine() is not None
+                                   else "after the engine was released")
+        comm.set_position(self._describe_position)
         self._no_sync = False           # inside no_sync(): backward passes do not synchronise
         self._boundary_override: Optional[bool] = None
         self._backward_calls = 0        # backward passes since the last step

@@ -161,8 +161,7 @@ class _Mesh:
 
 
 def _mesh(args: argparse.Namespace, world: int) -> _Mesh:
-    from ..config import ConfigError
-    from ..config._mesh import data_parallel_world, tensor_parallel_size
+    from ..config import ConfigError, data_parallel_world, tensor_parallel_size
     config = _read_config(args.config) if args.config else {}
     block = dict(config.get("tensor_parallel") or {})
     try:

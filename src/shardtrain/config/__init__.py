@@ -48,6 +48,7 @@ from ._checkpoint import CheckpointConfig, CheckpointParallelWriteConfig, Checkp
 from ._checks import situational_notes
 from ._execution import ActivationCheckpointingConfig, CompileConfig
 from ._load import load_config
+from ._mesh import data_parallel_world, tensor_parallel_size
 from ._model import ConfigError
 from ._monitoring import (
     CometConfig,
@@ -74,6 +75,8 @@ from ._zero import DEFAULT_LEAF_MODULE_CLASSES as DEFAULT_LEAF_MODULE_CLASSES
 
 __all__ = [
     "situational_notes",
+    "data_parallel_world",
+    "tensor_parallel_size",
     "ConfigError",
     "IMPLEMENTED_ZERO_STAGES",
     "PLANNED",

@@ -15,6 +15,7 @@ your own).
 The engine does both from its config (``tensor_parallel``, ``sequence_parallel_size``);
 ``engine.mpu`` (:class:`MeshMPU`) exposes the mesh's groups under DeepSpeed's names.
 """
+from ._assemble import Parallelism, build_mesh, parallelize
 from ._layout import SplitSpec, is_tp_split
 from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from .autotp import TPEntry, TPPlan, apply_autotp, autotp_splits
@@ -26,5 +27,6 @@ from .ulysses import UlyssesPlan, enable_ulysses, shard_sequence
 __all__ = ["SplitSpec", "is_tp_split", "copy_to_group", "reduce_from_group", "gather_from_group",
            "scatter_to_group", "ColumnParallelLinear", "RowParallelLinear", "SharedInput",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "apply_autotp",
-           "autotp_splits", "TPPlan", "TPEntry", "UlyssesPlan", "enable_ulysses", "shard_sequence", "MeshMPU",
-           "mesh_from_mpu"]
+           "autotp_splits", "TPPlan", "TPEntry", "UlyssesPlan", "enable_ulysses",
+           "shard_sequence", "MeshMPU", "mesh_from_mpu", "Parallelism", "build_mesh",
+           "parallelize"]
