@@ -103,11 +103,13 @@ def _entry(rank: int, world_size: int, port: int, target: str, kwargs: Dict[str,
 
 
 def run_ranks(target: str, world_size: int, timeout: float = 180.0,
-              env: Optional[Dict[str, str]] = None, **kwargs: Any) -> List[Any]:
+              env: Optional[Dict[str, str]] = None, need: Optional[List[int]] = None,
+              **kwargs: Any) -> List[Any]:
     """Runs ``module:function(rank=, world_size=, **kwargs)`` on ``world_size`` processes.
 
     Returns the per-rank return values (loaded with ``torch.load``), in rank order.
-    Raises RanksFailed with every rank's output on an error, a crash or the deadline.
+    Raises RanksFailed with every rank's output on an error, a crash or the deadline. With
+    ``need``, only those ranks must report (the others may die: their value is None).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -121,15 +123,17 @@ def run_ranks(target: str, world_size: int, timeout: float = 180.0,
         p.start()
     got: Dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    needed = set(range(world_size) if need is None else need)
     try:
-        while len(got) < world_size:
+        while not needed <= set(got):
             try:
                 rank, status, payload = results.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise RanksFailed(f"{target} on {world_size} ranks timed out after "
                                       f"{timeout:.0f}s\n" + _read_logs(logs)) from None
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                dead = [p for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r in needed and r not in got]
                 if dead and results.empty():
                     time.sleep(0.5)  # let a failing rank's report arrive first
                     if results.empty():
@@ -145,7 +149,7 @@ def run_ranks(target: str, world_size: int, timeout: float = 180.0,
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [got[r] for r in range(world_size)]
+    return [got.get(r) for r in range(world_size)]
 
 
 def result(run: Tuple, name: str, rank: int = 0) -> Any:

@@ -1,21 +1,29 @@
-"""When a rank stops responding, the others end within the collective timeout with an error
-that names themselves, the collective, where training was, and the rank that did not answer
-(cases in ``cases_failures.py``; real processes over gloo, a 3-second timeout)."""
+"""When ranks diverge or one is lost, every rank that can still speak ends within the bound
+with an error that names itself, the collective, where training was, the first collective at
+which the ranks differ and the rank that did not answer (cases in ``cases_failures.py``; real
+processes over gloo, a 3-second timeout)."""
 from __future__ import annotations
 
 import re
 
 import pytest
+import torch
 
 from _dist import run_ranks
 
 TIMEOUT_S = 3
+ROLL_CALL_S = 5
+BOUND_S = TIMEOUT_S + ROLL_CALL_S + 4  # the timeout, the roll call, start-up slack
+
+
+def _run(case: str, need=None):
+    return run_ranks(f"cases_failures:{case}", 2, timeout=120, need=need,
+                     env={"SHARDTRAIN_COLLECTIVE_TIMEOUT": str(TIMEOUT_S)})
 
 
 @pytest.fixture(scope="module")
 def stuck():
-    return run_ranks("cases_failures:stuck_rank", 2, timeout=120,
-                     env={"SHARDTRAIN_COLLECTIVE_TIMEOUT": str(TIMEOUT_S)})
+    return _run("stuck_rank")
 
 
 def test_a_survivor_names_the_rank_that_stopped_and_where_it_waited(stuck):
@@ -23,7 +31,7 @@ def test_a_survivor_names_the_rank_that_stopped_and_where_it_waited(stuck):
     assert got["error"] is not None, got
     message = got["error"]
     assert message.startswith("rank 0: all_reduce of "), message
-    assert re.search(r"over the \w+ group \(ranks 0, 1\) failed at step 2, micro-step 2 of 2, "
+    assert re.search(r"over the \w+ group \(ranks 0-1\) failed at step 2, micro-step 2 of 2, "
                      r"in backward: ", message), message
     assert message.endswith("\n  Rank(s) 1 did not answer within 5 s: ended, or stuck before "
                             "this collective (in a different branch, a data loader, I/O); "
@@ -33,7 +41,7 @@ def test_a_survivor_names_the_rank_that_stopped_and_where_it_waited(stuck):
 
 def test_the_survivor_ends_within_the_timeout_not_the_default_ten_minutes(stuck):
     # steps 1-2 take well under a second; then the timeout (3 s) and the roll call (5 s)
-    assert stuck[0]["seconds"] < TIMEOUT_S + 5 + 4, stuck[0]
+    assert stuck[0]["seconds"] < BOUND_S, stuck[0]
 
 
 def test_the_stuck_rank_learns_its_peer_is_gone(stuck):
@@ -42,3 +50,94 @@ def test_the_stuck_rank_learns_its_peer_is_gone(stuck):
     message = stuck[1]["error"]
     assert message is not None and message.startswith("rank 1: "), stuck[1]
     assert "step 2, micro-step" in message, message
+
+
+def test_a_killed_rank_is_named_as_ended_with_its_last_collective():
+    """Rank 1's process ends mid-step: the survivor reads the trail its file left and says
+    which collective rank 1 never issued, without waiting out the roll call."""
+    got = _run("killed_rank", need=[0])[0]
+    message = got["error"]
+    assert message.startswith("rank 0: all_reduce of 165 float32 elements over the zero group "
+                              "(ranks 0-1) failed at step 2, micro-step 2 of 2, in backward"), message
+    assert re.search(r"first differ at collective #\d+ over the zero group \(ranks 0-1\):\n"
+                     r"    rank 0: all_reduce of 165 float32 elements \(step 2, micro-step 2 of 2, "
+                     r"in backward\)\n    rank 1: ended without issuing it \(its last was #\d+, "
+                     r"all_reduce of 165 float32 elements \(step 1, micro-step 2 of 2, in "
+                     r"backward\)\)", message), message
+    assert message.endswith("Rank(s) 1 ended (their process is gone); their output says why."), message
+    assert got["seconds"] < BOUND_S, got
+
+
+def test_one_extra_all_reduce_is_named_with_its_size_and_step():
+    """Rank 1 all-reduces a metric the others do not: gloo ends rank 1 (the sizes differ);
+    the survivor names both calls of the first differing position."""
+    got = _run("extra_all_reduce", need=[0])[0]
+    message = got["error"]
+    assert "    rank 0: all_reduce of 165 float32 elements (step 2, micro-step 2 of 2, in backward)\n" \
+           "    rank 1: all_reduce of 3 float32 elements (step 2, micro-step 2 of 2, " in message, message
+    assert "Rank(s) 1 ended" in message, message
+    assert got["seconds"] < BOUND_S, got
+
+
+def test_a_rank_that_skips_a_module_at_stage_3_is_named_with_the_module():
+    """Rank 1 skips ``blocks.1``: the gathers still pair (prefetching fetched it), the
+    backward's do not, and both ranks time out; both name the forward order that differs."""
+    got = _run("skipped_module")
+    for rank in (0, 1):
+        message = got[rank]["error"]
+        assert message.startswith(f"rank {rank}: "), message
+        assert "The ranks first differ at module #" in message, message
+        assert "    rank 0: forward of blocks.1 (step 2, micro-step 1 of 1, in forward)\n" \
+               "    rank 1: forward of blocks.2 (step 2, micro-step 1 of 1, in forward)" in message, message
+        assert "Every rank of the group answered: the difference above is the cause." in message
+        assert got[rank]["seconds"] < BOUND_S, got[rank]
+
+
+def test_different_bucket_sizes_are_named_with_both_sizes():
+    got = _run("bucket_sizes", need=[0])[0]
+    message = got["error"]
+    assert re.search(r"first differ at collective #\d+ over the zero group \(ranks 0-1\):\n"
+                     r"    rank 0: reduce_scatter of 170 float32 elements \(step 1, micro-step 1 "
+                     r"of 2, in backward\)\n    rank 1: reduce_scatter of 40 float32 elements",
+                     message), message
+    assert got["seconds"] < BOUND_S, got
+
+
+def test_the_per_collective_check_stops_a_swap_before_anything_pairs():
+    """Two modules in another order on rank 1 at stage 3 (no prefetching): the gathers would
+    pair silently (same sizes, wrong shards); the per-collective check stops both ranks at
+    the first gather after, naming the modules."""
+    got = _run("swapped_modules")
+    for rank in (0, 1):
+        assert got[rank]["kind"] == "DivergenceError", got[rank]
+        message = got[rank]["error"]
+        assert "found by the check before all_gather over the zero group" in message, message
+        assert "    rank 0: forward of blocks.1 (step 2, " in message, message
+        assert "    rank 1: forward of blocks.2 (step 2, " in message, message
+        assert got[rank]["seconds"] < TIMEOUT_S, got[rank]  # no timeout waited for
+
+
+def test_the_step_check_finds_a_divergence_that_does_not_hang():
+    """An all-reduce of int32 on one rank and float32 on the other pairs without an error;
+    the per-step check raises on both ranks at step 2 before the update, naming it."""
+    got = _run("metric_dtype")
+    for rank in (0, 1):
+        assert got[rank]["kind"] == "DivergenceError", got[rank]
+        message = got[rank]["error"]
+        assert "issued different collectives, found by the check at step 2:" in message, message
+        assert "    rank 0: all_reduce of 4 float32 elements (step 2, micro-step 1 of 2, " in message
+        assert "    rank 1: all_reduce of 4 int32 elements (step 2, micro-step 1 of 2, " in message
+
+
+def test_the_check_changes_nothing_bit_for_bit():
+    got = run_ranks("cases_failures:check_on_off", 2, timeout=120)
+    for rank in (0, 1):
+        runs = got[rank]
+        for stage in (0, 3):
+            off = runs[("off", stage)]
+            assert off["error"] is None, off
+            for mode in ("step", "collective"):
+                on = runs[(mode, stage)]
+                assert on["error"] is None, on
+                for a, b in zip(off["params"], on["params"]):
+                    assert torch.equal(a, b), (mode, stage)

@@ -13,16 +13,20 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
 import re
-import time
+import tempfile
+import zlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from . import _failure, _trail
 
 __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
@@ -30,7 +34,9 @@ __all__ = [
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
     "scatter", "all_to_all_single",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
-    "split_groups", "CollectiveError", "set_position",
+    "split_groups", "CollectiveError", "DivergenceError", "set_position", "labelled", "mark",
+    "set_check", "check_agreement", "set_timeout", "timeout_override", "default_timeout",
+    "trail", "CHECK_MODES", "check_mode",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
     "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
 ]
@@ -43,6 +49,10 @@ _TIMEOUT_SECONDS_ENV = "SHARDTRAIN_COLLECTIVE_TIMEOUT"  # seconds; wins over DEE
 _failures = 0  # collectives that failed in this process: the group is broken after one
 _ROLL_CALL_SECONDS = 5.0  # how long the survivors of a failed collective wait for each other
 _DEFAULT_TIMEOUT_MIN = 10
+_TRAIL_LENGTH_ENV = "SHARDTRAIN_TRAIL_LENGTH"  # collectives each rank remembers; 0: none
+_TRAIL_DIR_ENV = "SHARDTRAIN_TRAIL_DIR"
+_CHECK_ENV = "SHARDTRAIN_DIVERGENCE_CHECK"  # "off", "step" or "collective"; wins over config
+CHECK_MODES = ("off", "step", "collective")
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,31 @@ def detect_launch_env(distributed_port: int = 29500) -> LaunchEnv:
         return LaunchEnv(_env_int("OMPI_COMM_WORLD_RANK"), _env_int("OMPI_COMM_WORLD_SIZE") or 1,
                          _env_int("OMPI_COMM_WORLD_LOCAL_RANK") or 0, addr, port, "openmpi")
     return LaunchEnv(0, 1, 0, "127.0.0.1", distributed_port, "single")
+
+
+def timeout_override() -> Optional[float]:
+    """``$SHARDTRAIN_COLLECTIVE_TIMEOUT`` in seconds, which wins over every configured bound."""
+    seconds = os.environ.get(_TIMEOUT_SECONDS_ENV)
+    return float(seconds) if seconds else None
+
+
+def default_timeout() -> float:
+    """Seconds a collective may wait by default: ``$SHARDTRAIN_COLLECTIVE_TIMEOUT``, else
+    ``$DEEPSPEED_TIMEOUT`` minutes, else 10 minutes (DeepSpeed's default)."""
+    return _timeout().total_seconds()
+
+
+def set_timeout(seconds: float) -> None:
+    """Bounds how long each collective issued from now on may wait, over the world and every
+    group made here but the side group (whose work waits on I/O); a call that waits longer
+    fails with a :class:`CollectiveError`."""
+    if not is_initialized() or get_world_size() == 1:
+        return
+    bound = datetime.timedelta(seconds=seconds)
+    dist.distributed_c10d._set_pg_timeout(bound, None)
+    for group in _made:
+        if group.name != "side":
+            dist.distributed_c10d._set_pg_timeout(bound, group.handle)
 
 
 def _timeout() -> datetime.timedelta:
@@ -199,7 +234,11 @@ def destroy() -> None:
             if dist.get_world_size() > 1:
                 dist.barrier()
             dist.destroy_process_group()
+    # Every rank got here (the barrier): no peer will need this trail. A rank that ends
+    # without destroy() leaves its file for a waiting peer; the next job removes it.
+    _close_trail(remove=not _failures)
     _owns_group, _side = False, None
+    _made.clear()
 
 
 def is_initialized() -> bool:
@@ -253,16 +292,24 @@ def available_backends() -> dict:
 
 def barrier(group: Optional["Group"] = None) -> None:
     if get_world_size(group) > 1:
+        _trace("barrier", None, group)
         _guarded("barrier", group, None, lambda: dist.barrier(group=_handle(group)))
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or did not complete within the timeout: the message names this
-    rank, the collective, where training was (:func:`set_position`), and the ranks of the
-    group that did not answer the survivors' roll call through the rendezvous store."""
+    rank, the collective, where training was (:func:`set_position`), the first collective at
+    which the ranks' trails differ, and the ranks of the group that did not answer the
+    survivors' roll call through the rendezvous store."""
+
+
+class DivergenceError(CollectiveError):
+    """The ranks issued different collectives (found by :func:`check_agreement` or the
+    per-collective check while the group still worked): the message names the first one."""
 
 
 _position: Optional[Callable[[], str]] = None
+_label = ""  # the module a ZeRO-3 gather fetches (labelled())
 
 
 def set_position(describe: Optional[Callable[[], str]],
@@ -273,6 +320,40 @@ def set_position(describe: Optional[Callable[[], str]],
     global _position
     if replacing is None or _position is replacing:
         _position = describe
+
+
+@contextlib.contextmanager
+def labelled(name: str) -> Iterator[None]:
+    """Collectives issued inside the block carry ``name`` in the trail (the module whose
+    parameters a ZeRO-3 gather fetches), so that a rank that skipped it is named with it.
+
+    Example:
+        >>> with comm.labelled("blocks.1"):
+        ...     comm.all_gather(out, mine)
+    """
+    global _label
+    outer, _label = _label, name
+    try:
+        yield
+    finally:
+        _label = outer
+
+
+def mark(event: str, label: str, group: Optional["Group"] = None) -> None:
+    """Records in the trail a point that every rank of ``group`` passes in the same order,
+    though no collective (ZeRO-3 marks the forward of each module: its gathers are matched
+    by order, and a rank that skips a module is named with it).
+
+    Example:
+        >>> comm.mark("forward", "blocks.1", zero_group)
+    """
+    g = WORLD if group is None else group
+    if _trail_off or g.solo:
+        return
+    t = _trail_now if _trail_now is not None else trail()
+    if t is not None:
+        t.record(g.name, g.pg_name() + _trail.ORDER, g.spans(), event, 0, "", label,
+                 _position() if _position is not None else "")
 
 
 def _guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
@@ -293,46 +374,223 @@ def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
     _failures += 1
     me = get_rank()
     ranks = group.ranks() if group is not None else list(range(get_world_size()))
-    what = op if tensor is None else (f"{op} of {tensor.numel():,} {str(tensor.dtype).replace('torch.', '')} "
+    what = op if tensor is None else (f"{op} of {tensor.numel():,} {_dtype_name(tensor.dtype)} "
                                       f"elements")
     where = _position() if _position is not None else "outside a training step"
     name = group.name if group is not None else "world"
     cause = " ".join(str(err).split())[:300]
-    head = f"rank {me}: {what} over the {name} group (ranks {_spans(ranks)}) failed at {where}: {cause}"
-    missing = _roll_call(ranks, me)
-    if missing is None:
-        tail = ("the rendezvous store, which rank 0 hosts, does not answer: rank 0 ended or its "
-                "node cannot be reached; its output says why")
-    elif missing:
-        tail = (f"rank(s) {_spans(missing)} did not answer within {_ROLL_CALL_SECONDS:.0f} s: "
-                "ended, or stuck before this collective (in a different branch, a data loader, "
-                "I/O); their output says where")
-    else:
-        tail = ("every rank of the group answered: they issued different collectives, the "
-                "network between them failed, or torch refused the call itself (see the cause)")
-    return f"{head}\n  {tail[0].upper()}{tail[1:]}."
+    head = (f"rank {me}: {what} over the {name} group (ranks {_trail.spans(ranks)}) failed at "
+            f"{where}: {cause}")
+    found = _failure.inquire(_short_store(), _failures, ranks, me, _own_entries(), _ROLL_CALL_SECONDS)
+    lines = [head]
+    diff = _trail.first_difference(found.trails, order=found.trails.get(me))
+    if diff is not None:
+        lines.append(diff.explain(found.ended))
+    lines.append(_who_is_gone(found, diff is not None))
+    if get_backend() == "nccl":
+        lines.append(f"NCCL's flight recorder wrote its record of the last collectives to "
+                     f"{os.environ.get('TORCH_FR_DUMP_TEMP_FILE', '?')}<rank>; read it with "
+                     f"python -m torch.distributed.flight_recorder.fr_trace.")
+    return "\n".join([lines[0]] + ["  " + line.replace("\n", "\n  ") for line in lines[1:]])
 
 
-def _roll_call(ranks: List[int], me: int) -> Optional[List[int]]:
-    """The ranks of ``ranks`` that do not write their key to the rendezvous store within
-    ``_ROLL_CALL_SECONDS`` (after this rank writes its own); None when the store is gone."""
+def _who_is_gone(found: "_failure.Findings", differ: bool) -> str:
+    if found.missing is None:
+        return ("The rendezvous store, which rank 0 hosts, does not answer: rank 0 ended or "
+                "its node cannot be reached; its output says why.")
+    ended = sorted(found.ended)
+    silent = [r for r in found.missing if r not in found.ended]
+    parts = []
+    if ended:
+        parts.append(f"Rank(s) {_trail.spans(ended)} ended (their process is gone); their "
+                     "output says why.")
+    if silent:
+        parts.append(f"Rank(s) {_trail.spans(silent)} did not answer within "
+                     f"{_ROLL_CALL_SECONDS:.0f} s: ended, or stuck before this collective (in "
+                     "a different branch, a data loader, I/O); their output says where.")
+    if not parts and differ:
+        parts.append("Every rank of the group answered: the difference above is the cause.")
+    elif not parts:
+        parts.append("Every rank of the group answered: they issued different collectives, "
+                     "the network between them failed, or torch refused the call itself (see "
+                     "the cause).")
+    return " ".join(parts)
+
+
+def _short_store():
+    """The rendezvous store, with a short timeout (a dead host must not stall the report);
+    None when there is none."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=_ROLL_CALL_SECONDS))
-        prefix = f"shardtrain/failure/{_failures}/"
-        store.set(f"{prefix}{me}", "here")
-        deadline = time.monotonic() + _ROLL_CALL_SECONDS
-        while True:
-            missing = [r for r in ranks if not store.check([f"{prefix}{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.1)
-    except Exception:  # the store itself failed: rank 0's process is gone
+        return store
+    except (RuntimeError, ValueError) as err:
+        logger.debug("no rendezvous store to inquire through: %s", err)
         return None
 
 
-def _spans(ranks: List[int]) -> str:
-    return ", ".join(map(str, ranks))
+# -- the collective trail ------------------------------------------------------------------
+
+_trail_now: Optional[_trail.Trail] = None
+_trail_off = False  # SHARDTRAIN_TRAIL_LENGTH=0, a world of one, or the file could not be made
+_check = "off"
+
+
+def trail() -> Optional[_trail.Trail]:
+    """This rank's :class:`~shardtrain._trail.Trail` of collectives (None in a world of one
+    or with ``SHARDTRAIN_TRAIL_LENGTH=0``); made at the first collective."""
+    global _trail_now, _trail_off
+    if _trail_now is not None or _trail_off:
+        return _trail_now
+    if not is_initialized():
+        return None
+    slots = int(os.environ.get(_TRAIL_LENGTH_ENV, "1024"))
+    if get_world_size() == 1 or slots <= 0:
+        _trail_off = True
+        return None
+    folder = os.environ.get(_TRAIL_DIR_ENV) or os.path.join(
+        tempfile.gettempdir(), f"shardtrain-trails-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _remove_stale_trails(folder)
+        path = os.path.join(folder, f"rank{get_rank()}-pid{os.getpid()}.trail")
+        _trail_now = _trail.Trail(slots, path)
+        store = _short_store()
+        if store is not None:
+            _failure.announce_trail(store, get_rank(), path)
+    except OSError as err:  # a read-only or full temp dir: keep the trail in memory
+        logger.debug("trail file: %s; the trail stays in memory", err)
+        _trail_now = _trail.Trail(slots)
+    return _trail_now
+
+
+def _remove_stale_trails(folder: str) -> None:
+    """Trail files of processes that ended without removing theirs (killed, aborted)."""
+    for name in os.listdir(folder):
+        match = re.fullmatch(r"rank\d+-pid(\d+)\.trail", name)
+        if match and _failure.process_gone(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+
+
+def _close_trail(remove: bool) -> None:
+    global _trail_now, _trail_off
+    if _trail_now is not None:
+        _trail_now.close(remove=remove)
+    _trail_now, _trail_off = None, False
+
+
+def _own_entries() -> List[_trail.Entry]:
+    return _trail_now.entries() if _trail_now is not None else []
+
+
+_DTYPES: Dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPES.get(dtype)
+    if name is None:
+        name = _DTYPES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _trace(op: str, tensor: Optional[torch.Tensor], group: Optional["Group"]) -> None:
+    """Writes the collective into the trail (and checks it in the per-collective mode)."""
+    g = WORLD if group is None else group
+    if g.solo or g.name == "side":  # the side group's calls come from other threads
+        return
+    t = _trail_now if _trail_now is not None else trail()
+    if t is None:
+        return
+    ranks = g.spans()
+    if "," not in ranks and "-" not in ranks:
+        return  # a group of one rank
+    t.record(g.name, g.pg_name(), ranks, op, 0 if tensor is None else tensor.numel(),
+             "" if tensor is None else _dtype_name(tensor.dtype), _label,
+             _position() if _position is not None else "")
+    if _check == "collective":
+        _check_group(g, f"before {op} over the {g.name} group")
+
+
+# -- the divergence check ----------------------------------------------------------------
+
+def set_check(mode: str) -> None:
+    """How the ranks compare their collectives while the group works: ``"off"``; ``"step"``
+    (:func:`check_agreement` at each optimizer step: one small all-gather); ``"collective"``
+    (before every collective, over its group: for debugging, it doubles the collectives).
+    ``$SHARDTRAIN_DIVERGENCE_CHECK`` wins over ``mode``."""
+    global _check
+    mode = os.environ.get(_CHECK_ENV) or mode
+    if mode not in CHECK_MODES:
+        raise ValueError(f"divergence check {mode!r} is not one of {', '.join(CHECK_MODES)} "
+                         f"(from {_CHECK_ENV} or diagnostics.divergence_check).")
+    _check = mode
+
+
+def check_mode() -> str:
+    return _check
+
+
+_MAX_GROUPS = 16  # rows per rank in the step check: more groups than a mesh ever makes
+
+
+def check_agreement(where: str = "at the end of a step") -> None:
+    """Compares every rank's count and checksum of the collectives it issued over each group
+    (one all-gather of a small tensor over the world); raises :class:`DivergenceError` on
+    every rank, naming the first differing collective, when they disagree."""
+    t = trail()
+    if t is None:
+        return
+    rows = sorted((zlib.crc32(f"{pg}|{ranks}".encode()), count, crc)
+                  for (pg, ranks), (count, crc) in t.fingerprints().items())[:_MAX_GROUPS]
+    mine = torch.zeros(_MAX_GROUPS, 3, dtype=torch.int64)
+    if rows:
+        mine[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+    table = _gather_rows(mine, WORLD)
+    agreed: Dict[int, Tuple[int, int]] = {}
+    for key, count, crc in table.view(-1, 3).tolist():
+        if key and agreed.setdefault(key, (count, crc)) != (count, crc):
+            _raise_divergence(WORLD, where)
+
+
+def _check_group(group: "Group", where: str) -> None:
+    table = _gather_rows(torch.tensor(_group_fingerprint(group), dtype=torch.int64), group)
+    if (table != table[0]).any():
+        _raise_divergence(group, where)
+
+
+def _group_fingerprint(group: "Group") -> List[int]:
+    """Count and checksum of this rank's collectives over ``group``'s process group, and of
+    its marks (:func:`mark`)."""
+    prints = _trail_now.fingerprints() if _trail_now is not None else {}
+    pg, ranks = group.pg_name(), group.spans()
+    return [*prints.get((pg, ranks), (0, 0)), *prints.get((pg + _trail.ORDER, ranks), (0, 0))]
+
+
+def _gather_rows(mine: torch.Tensor, group: "Group") -> torch.Tensor:
+    """Every rank's ``mine`` (not traced: the check is not part of the program compared)."""
+    from . import accelerator  # local import: accelerator does not depend on comm
+    dev = accelerator.device() if get_backend() == "nccl" else torch.device("cpu")
+    flat = mine.to(dev).reshape(-1)
+    out = torch.empty(group.size() * flat.numel(), dtype=flat.dtype, device=dev)
+    _guarded("divergence check", group, flat,
+             lambda: _all_gather_flat(out, flat, group=_handle(group)))
+    return out.view((group.size(),) + tuple(mine.shape)).cpu()
+
+
+def _raise_divergence(group: "Group", where: str) -> None:
+    size = get_world_size(group)
+    trails: List = [None] * size
+    _guarded("divergence check", group, None, lambda: dist.all_gather_object(
+        trails, (get_rank(), _trail.encode(_own_entries())), group=_handle(group)))
+    by_rank = {rank: _trail.decode(text) for rank, text in trails}
+    diff = _trail.first_difference(by_rank, order=by_rank.get(get_rank()))
+    detail = diff.explain() if diff is not None else (
+        "Their counts or checksums differ, but the differing collective is older than the "
+        f"trails hold (raise {_TRAIL_LENGTH_ENV}).")
+    raise DivergenceError(f"rank {get_rank()}: the ranks of the {group.name} group (ranks "
+                          f"{group.spans()}) issued different collectives, found by the check "
+                          f"{where}:\n  " + detail.replace("\n", "\n  "))
 
 
 class Work:
@@ -370,6 +628,8 @@ def _notify(op: str, tensor: torch.Tensor, group: Optional["Group"] = None) -> N
             fn(op, tensor, group)
         else:
             fn(op, tensor)
+    if not _trail_off:
+        _trace(op, tensor, group)
 
 
 #: torch's reduction operations, so that ``comm.ReduceOp.SUM`` reads as in DeepSpeed scripts.
@@ -493,6 +753,7 @@ def all_gather_object(obj, group: Optional["Group"] = None) -> list:
     if size == 1:
         return [obj]
     out: list = [None] * size
+    _trace("all_gather_object", None, group)
     _guarded("all_gather_object", group, None,
              lambda: dist.all_gather_object(out, obj, group=_handle(group)))
     return out
@@ -506,6 +767,10 @@ class Group:
 
     def __init__(self, handle=None, name: str = "world", solo: bool = False):
         self.handle, self.name, self.solo = handle, name, solo
+        self._spans: Optional[str] = None
+        self._pg: Optional[str] = None
+        if handle is not None and not solo:
+            _made.append(self)
 
     def size(self) -> int:
         return get_world_size(self)
@@ -521,6 +786,18 @@ class Group:
             return list(range(get_world_size()))
         return dist.get_process_group_ranks(self.handle)
 
+    def spans(self) -> str:
+        """The global ranks as spans (``"0-3"``); fixed once the group exists."""
+        if self._spans is None:
+            self._spans = _trail.spans(self.ranks())
+        return self._spans
+
+    def pg_name(self) -> str:
+        """torch's name for the process group under this group (equal on every rank)."""
+        if self._pg is None:
+            self._pg = (self.handle or dist.group.WORLD).group_name
+        return self._pg
+
     @property
     def process_group(self):
         """torch's process group, for code that calls ``torch.distributed`` itself (the
@@ -532,6 +809,8 @@ class Group:
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={self.ranks()})"
 
+
+_made: List["Group"] = []  # groups with a process group of their own (for set_timeout)
 
 #: The world: every rank.
 WORLD = Group()
@@ -585,6 +864,7 @@ def broadcast_object(obj, src: int = 0, group: Optional[Group] = None):
     if get_world_size(group) == 1:
         return obj
     box = [obj]
+    _trace("broadcast_object", None, group)
     _guarded("broadcast_object", group, None, lambda: dist.broadcast_object_list(
         box, src=_global(group, src), group=_handle(group)))
     return box[0]

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from . import accelerator, activation_checkpointing as checkpointing, comm
 from . import checkpoint as _ckpt
+from ._bounds import CollectiveBounds
 from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
@@ -70,6 +71,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._describe_position = (lambda: engine()._position() if engine() is not None
                                    else "after the engine was released")
         comm.set_position(self._describe_position)
+        comm.set_check(config.diagnostics.divergence_check)
+        self._bounds = CollectiveBounds(config.diagnostics)
         self._no_sync = False           # inside no_sync(): backward passes do not synchronise
         self._boundary_override: Optional[bool] = None
         self._backward_calls = 0        # backward passes since the last step
@@ -183,6 +186,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             inputs, kwargs = self._prepare_inputs(inputs, kwargs)
             grad_on = torch.is_grad_enabled()
             if grad_on:
+                self._bounds.enter_step()
                 self._strategy.begin_forward()
             if self.config.compile.enabled and self._compiled is None:
                 log_dist_once("compile.enabled is true in the config but engine.compile() was "
@@ -342,6 +346,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                     self._require_backward()
                     self._take_model_step(lr_kwargs)
                     self._watch.after_step()  # records, timer logs, profiles (telemetry)
+                    self._bounds.leave_step()
             self.train_state.micro_steps += 1
 
     def _require_backward(self) -> None:
@@ -357,6 +362,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
         self._watch.step_begin()
         grads = self._reduced_grads()
+        if comm.check_mode() != "off":  # before the update: a diverged rank changes nothing
+            comm.check_agreement(f"at step {self.global_steps + 1}")
         self._watch.lap("reduce")  # the gradient reduction still in flight has landed
         overflow = self._unscale_and_clip(grads)
         if overflow:
@@ -683,8 +690,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _position(self) -> str:
         """Where training is, for the message of a failed collective."""
         gas = self.gradient_accumulation_steps()
-        return (f"step {self.global_steps + 1}, micro-step {self.micro_steps % gas + 1} of {gas}, "
-                f"in {self._phase.value}")
+        phase = "between engine calls" if self._phase is Phase.IDLE else f"in {self._phase.value}"
+        return f"step {self.global_steps + 1}, micro-step {self.micro_steps % gas + 1} of {gas}, {phase}"
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of model states this rank holds: parameters, gradients, optimizer states

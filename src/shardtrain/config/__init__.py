@@ -48,6 +48,7 @@ from ._checkpoint import CheckpointConfig, CheckpointParallelWriteConfig, Checkp
 from ._checks import situational_notes
 from ._execution import ActivationCheckpointingConfig, CompileConfig
 from ._load import load_config
+from ._diagnostics import DiagnosticsConfig
 from ._mesh import data_parallel_world, tensor_parallel_size
 from ._model import ConfigError
 from ._monitoring import (
@@ -102,6 +103,7 @@ __all__ = [
     "CommsLoggerConfig",
     "JSONLMonitorConfig",
     "MLflowConfig",
+    "DiagnosticsConfig",
     "AutotuningConfig",
     "AutotuningModelInfoConfig",
     "CheckpointConfig",

@@ -21,6 +21,7 @@ from ._batch import _BATCH_KEYS, _resolve_batch
 from ._checkpoint import CheckpointConfig
 from ._checks import _check_combinations
 from ._execution import ActivationCheckpointingConfig, CompileConfig
+from ._diagnostics import DiagnosticsConfig
 from ._mesh import data_parallel_world, tensor_parallel_size
 from ._model import ConfigError, _ConfigModel
 from ._monitoring import (
@@ -116,6 +117,8 @@ class ShardConfig(_ConfigModel):
                                               description="JSON-lines monitor (shardtrain only)")
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig, description="MLflow monitor (shardtrain only)")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="communication logger")
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig,
+                                           description="collective timeouts and divergence check (shardtrain only)")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile")
     timers: _Block = Field(default_factory=dict, description="throughput timers")

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .. import accelerator
+from .. import accelerator, comm
 from ..comm import Group
 from . import _collectives as coll
 from . import leaf
@@ -36,12 +36,15 @@ class ParamGroup:
         group: the data-parallel group.
         offload, pin_memory: the shards live in (pinned) host memory between uses
             (``offload_param``).
+        name: the owning module's qualified name (``"blocks.1"``; ``"(root)"`` for the
+            model itself), carried by its gathers into the collective trail.
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group: Group,
-                 offload: bool = False, pin_memory: bool = False):
+                 offload: bool = False, pin_memory: bool = False, name: str = ""):
         self.params = params
         self.group = group
+        self.name = name
         self.layout = ShardLayout([p.ds_numel for p in params], group.size(), group.rank())
         first = params[0].ds_tensor
         self.device = first.device  # where the full parameters are used
@@ -72,7 +75,8 @@ class ParamGroup:
         # An offloaded shard travels to the device first (a copy even when both are the CPU).
         mine = self.flat.to(self.device, copy=True, non_blocking=True) if self.offload \
             else self.flat
-        self._flight = coll.all_gather_rows(mine, self.group, self.device)
+        with comm.labelled(self.name):
+            self._flight = coll.all_gather_rows(mine, self.group, self.device)
         self.status = INFLIGHT
         for p in self.params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -129,7 +133,7 @@ def partition_model(module: torch.nn.Module, group: Group, zero: Any) -> Units:
     offload = zero.offload_param is not None and zero.offload_param.device == "cpu"
     pin = bool(offload and zero.offload_param.pin_memory)
     owned: set = set()
-    for m in module.modules():
+    for qualified, m in module.named_modules(remove_duplicate=True):
         if id(m) in units.inside_leaf:
             continue
         mine = [p for p in unit_params(m, id(m) in leaves) if id(p) not in owned]
@@ -137,7 +141,8 @@ def partition_model(module: torch.nn.Module, group: Group, zero: Any) -> Units:
         by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
         for p in mine:
             by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-        units.groups += [ParamGroup(ps, group, offload, pin) for ps in by_dtype.values()]
+        units.groups += [ParamGroup(ps, group, offload, pin, qualified or "(root)")
+                         for ps in by_dtype.values()]
     for m in module.modules():
         # (a module inside a leaf maps to its leaf's groups: for its state_dict and for
         # reads of its parameters outside the leaf's forward)

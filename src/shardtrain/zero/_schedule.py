@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from .. import comm
 from . import _access
 from ._groups import AVAILABLE, RELEASED, ParamGroup, Units
 
@@ -58,6 +59,7 @@ class GatherSchedule:
         self.stats = {"prefetched": 0, "on_demand": 0}
         self.module_hooks: Dict[int, list] = {}  # id(module) -> its forward hook handles
         self._swaps: List[_access.ClassSwap] = []
+        self._names = {id(m): name or "(root)" for name, m in module.named_modules()}
         for g in units.groups:
             g.owner = self
         for p in module.parameters():
@@ -148,6 +150,8 @@ class GatherSchedule:
             g.active += 1
         if not self.in_backward:
             self._module_pos[id(m)] = len(self._trace)
+            if groups:  # ranks must run the same modules in the same order: the trail says so
+                comm.mark("forward", self._names.get(id(m), type(m).__name__), groups[0].group)
         for g in groups:
             if not self.in_backward:
                 self._record(g)
