@@ -22,6 +22,7 @@ import torch
 
 from .. import accelerator, comm
 from .._sizes import format_bytes
+from ..autotune.budget import memory_budget_from_env
 from ..autotune.probe import TuningProbe
 from ..log import log_dist, log_dist_once
 from ._flops_window import FlopsWindow
@@ -54,8 +55,13 @@ class StepWatch:
         self.tuning = TuningProbe(cfg.autotuning, engine.global_rank)
         if not self.tuning.active:
             self.tuning = None
-        wants_memory = self.monitoring or cfg.memory_breakdown or self.tuning is not None
-        self.memory = MemoryProbe(engine, self.tuning is not None and self.tuning.profile) \
+        # A memory budget caps the CUDA allocator; on the CPU the probe holds its measures to it.
+        budget = memory_budget_from_env()
+        if budget is not None:
+            accelerator.limit_memory(budget)
+        wants_memory = (self.monitoring or cfg.memory_breakdown or self.tuning is not None
+                        or (budget is not None and not accelerator.is_cuda()))
+        self.memory = MemoryProbe(engine, self.tuning is not None and self.tuning.profile, budget) \
             if wants_memory else None
         self.flops = self._build_flops(engine)
         self.flops_per_step: Optional[float] = None
