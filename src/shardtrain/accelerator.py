@@ -16,7 +16,7 @@ import torch
 __all__ = ["device", "device_type", "default_backend", "synchronize", "memory_stats",
            "range", "is_cuda", "set_local_device", "reset_peak_memory", "total_memory",
            "device_name", "limit_memory", "is_out_of_memory", "device_count", "nccl_version",
-           "device_inventory"]
+           "device_inventory", "record_memory_history", "dump_memory_snapshot"]
 
 _ENV = "SHARDTRAIN_ACCELERATOR"
 
@@ -119,6 +119,25 @@ def limit_memory(nbytes: int) -> None:
 def is_out_of_memory(error: BaseException) -> bool:
     """True for the device's out-of-memory error."""
     return isinstance(error, torch.cuda.OutOfMemoryError)
+
+
+def record_memory_history(max_entries: int = 100_000) -> bool:
+    """Starts recording the CUDA allocator's history (each allocation and free, with its
+    stack) for :func:`dump_memory_snapshot`; the oldest of more than ``max_entries`` events
+    are dropped. Returns False on the CPU, which has no such allocator."""
+    if not is_cuda():
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    return True
+
+
+def dump_memory_snapshot(path: str) -> bool:
+    """Writes the allocator's recorded history and its segments now to ``path`` (a pickle
+    that https://pytorch.org/memory_viz draws); False on the CPU, where nothing is written."""
+    if not is_cuda():
+        return False
+    torch.cuda.memory._dump_snapshot(path)
+    return True
 
 
 def device_count() -> int:

@@ -182,7 +182,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with accelerator.range("shardtrain.forward"), self._watch.forward(inputs, kwargs):
+        with accelerator.range("shardtrain.forward"), self._in_phase(Phase.FORWARD), \
+                self._watch.forward(inputs, kwargs):
             inputs, kwargs = self._prepare_inputs(inputs, kwargs)
             grad_on = torch.is_grad_enabled()
             if grad_on:
@@ -192,7 +193,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 log_dist_once("compile.enabled is true in the config but engine.compile() was "
                               "not called: the module runs eagerly. Call engine.compile() "
                               "after initialize().", ranks=[0])
-            with self._precision.autocast(self.device.type), self._in_phase(Phase.FORWARD):
+            with self._precision.autocast(self.device.type):
                 run = self._compiled if self._compiled is not None else self.module
                 outputs = run(*inputs, **kwargs)
             self._strategy.end_forward(grad_on)
@@ -201,13 +202,19 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     @contextlib.contextmanager
     def _in_phase(self, phase: Phase) -> Iterator[None]:
         """``phase`` for the duration of the block, when the engine was idle (a forward
-        that activation checkpointing re-runs inside backward stays in BACKWARD)."""
+        that activation checkpointing re-runs inside backward stays in BACKWARD). An
+        out-of-memory error leaving the block becomes a report of where it happened."""
         if self._phase is not Phase.IDLE:
             yield
             return
         self._phase = phase
         try:
             yield
+        except Exception as error:
+            report = self._watch.out_of_memory(error, phase.value)  # None: not out of memory
+            if report is None:
+                raise
+            raise report from error
         finally:
             self._phase = Phase.IDLE
 
@@ -292,7 +299,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._step_losses.append(loss.detach())
         gas = self.gradient_accumulation_steps()
         factor = self._scaler.scale * (1 if scale_wrt_gas else gas)
-        with accelerator.range("shardtrain.backward"):
+        with accelerator.range("shardtrain.backward"), self._in_phase(Phase.BACKWARD):
             self._begin_backward(None, 1.0, loss)
             try:
                 (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)

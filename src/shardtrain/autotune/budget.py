@@ -1,9 +1,10 @@
 """A memory budget per process: the limit the autotuner gives each of its runs.
 
-The autotuner passes the budget in ``SHARDTRAIN_MEMORY_BUDGET``. On CUDA the allocator is
-capped there, so an oversized micro-batch fails as it would on a smaller device; on the CPU,
-where it would swap instead of failing, a step whose model states plus activations exceed the
-budget raises :class:`OutOfMemoryError` (see :class:`~.probe.TuningProbe`).
+The autotuner passes the budget in ``SHARDTRAIN_MEMORY_BUDGET`` (a person may set it too, to
+reproduce a smaller device). On CUDA the allocator is capped there, so an oversized
+micro-batch fails as it would on a smaller device; on the CPU, where it would swap instead of
+failing, a forward or step whose measured model states plus activations exceed the budget
+raises :class:`OutOfMemoryError` (see :mod:`shardtrain.telemetry._memory_probe`).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ __all__ = ["MEMORY_BUDGET_ENV", "OutOfMemoryError", "memory_budget_from_env", "p
 
 
 #: Environment variable that gives a process a memory budget in bytes. The autotuner sets it
-#: for its trials: on CUDA the allocator is capped there; on the CPU a step whose model states
-#: plus activations exceed it raises :class:`OutOfMemoryError`, as a GPU would.
+#: for its trials: on CUDA the allocator is capped there; on the CPU a forward or step whose
+#: model states plus activations exceed it raises :class:`OutOfMemoryError`, as a GPU would.
 MEMORY_BUDGET_ENV = "SHARDTRAIN_MEMORY_BUDGET"
 
 

@@ -22,10 +22,12 @@ import torch
 
 from .. import accelerator, comm
 from .._sizes import format_bytes
+from ..autotune.budget import memory_budget_from_env
 from ..autotune.probe import TuningProbe
 from ..log import log_dist, log_dist_once
 from ._flops_window import FlopsWindow
 from ._memory_probe import MemoryProbe
+from ._oom import OomReporter
 from .flops import peak_flops
 from .monitors import build_monitors, monitoring
 from .timers import Timers
@@ -54,9 +56,17 @@ class StepWatch:
         self.tuning = TuningProbe(cfg.autotuning, engine.global_rank)
         if not self.tuning.active:
             self.tuning = None
-        wants_memory = self.monitoring or cfg.memory_breakdown or self.tuning is not None
-        self.memory = MemoryProbe(engine, self.tuning is not None and self.tuning.profile) \
+        # A memory budget caps the CUDA allocator; on the CPU the probe holds its measures to it.
+        budget = memory_budget_from_env()
+        if budget is not None:
+            accelerator.limit_memory(budget)
+        wants_memory = (self.monitoring or cfg.memory_breakdown or self.tuning is not None
+                        or (budget is not None and not accelerator.is_cuda()))
+        self.memory = MemoryProbe(engine, self.tuning is not None and self.tuning.profile, budget) \
             if wants_memory else None
+        self.oom = OomReporter(engine)
+        self.micro_batch: Optional[int] = None  # the last forward's, for out-of-memory reports
+        self.step_counters: Optional[Tuple[int, int]] = None  # (steps, micro-steps) at step_begin
         self.flops = self._build_flops(engine)
         self.flops_per_step: Optional[float] = None
         self.peak = peak_flops(_compute_dtype(cfg))
@@ -87,6 +97,7 @@ class StepWatch:
         if not torch.is_grad_enabled():
             return contextlib.nullcontext()  # evaluation: not a training micro-batch
         self._tokens += _tokens_of(inputs, kwargs)
+        self.micro_batch = _batch_of(inputs, kwargs)
         if self.timers is None and self.memory is None and self.flops is None:
             return contextlib.nullcontext()
         return self._measured_forward()
@@ -119,8 +130,19 @@ class StepWatch:
 
     # -- the optimizer step -----------------------------------------------------------------
 
+    def out_of_memory(self, error: BaseException, phase: str) -> Optional[BaseException]:
+        """The error to raise instead of ``error`` when it is an out-of-memory error that
+        escaped ``phase`` (forward, backward, step): a report of where and at which
+        micro-batch it happened, what this rank held and what to do; else None."""
+        last = self.memory.last_forward if self.memory is not None else None
+        counters = self.step_counters if phase == "step" else None
+        return self.oom.report(error, phase, self.micro_batch, last.saved_bytes if last else None,
+                               counters)
+
     def step_begin(self) -> None:
         """The optimizer step starts (a plain ``loss.backward()`` may not have told its end)."""
+        # The counters advance before after_step(): a report from there names this step.
+        self.step_counters = (self.engine.global_steps, self.engine.micro_steps)
         if self.timers is not None:
             self.timers.stop("backward")
             accelerator.synchronize()
@@ -322,6 +344,14 @@ def _tokens_of(inputs: Sequence[Any], kwargs: Dict[str, Any]) -> int:
         if isinstance(x, torch.Tensor):
             return x.numel() if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex() else 0
     return 0
+
+
+def _batch_of(inputs: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[int]:
+    """The micro-batch size: the leading dimension of the first tensor input."""
+    for x in (*inputs, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            return int(x.shape[0]) if x.dim() else None
+    return None
 
 
 def _compute_dtype(cfg: Any) -> torch.dtype:
