@@ -16,15 +16,18 @@ STUCK_SECONDS = 10.0  # past rank 0's timeout (3 s) and roll call (5 s)
 
 
 def _train(rank: int, config: Dict[str, Any], model: torch.nn.Module, fault, steps: int = 3,
-           gas: int = 2, forward_kwargs=None) -> Dict[str, Any]:
+           gas: int = 2, forward_kwargs=None, between=None) -> Dict[str, Any]:
     """Trains ``steps`` steps of ``gas`` micro-batches; ``fault(step, micro)`` runs on every
-    rank before each backward (the case decides what a rank does differently there)."""
+    rank before each backward (the case decides what a rank does differently there), and
+    ``between(step)`` before each step's first forward."""
     engine, *_ = shardtrain.initialize(model=model, config=dict(
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, **config))
     start = time.monotonic()
     try:
         for step in range(steps):
+            if between is not None:
+                between(step)
             for micro in range(gas):
                 kwargs = forward_kwargs(step, micro) if forward_kwargs else {}
                 loss = engine(torch.randn(2, 8), **kwargs).pow(2).mean()
@@ -147,3 +150,20 @@ def metric_dtype(rank: int, world_size: int) -> Dict[str, Any]:
         if step == 1 and micro == 0:
             comm.all_reduce(torch.ones(4, dtype=torch.int32 if rank == 1 else torch.float32))
     return _train(rank, {"diagnostics": {"divergence_check": "step"}}, _mlp(), fault)
+
+
+def bounds(rank: int, world_size: int) -> Dict[str, Any]:
+    """collective_timeout 2 s, slow_collective_timeout 30 s: rank 1 is 4 s late in the first
+    step (warm-up) and 4 s late outside a step (rank 0 "evaluates" while rank 1 waits at a
+    barrier), both within the long bound; then 6 s late inside step 4, past the short one."""
+    def fault(step, micro):
+        if rank == 1 and (step, micro) in ((0, 0), (3, 1)):
+            time.sleep(4.0 if step == 0 else 6.0)
+
+    def between(step):
+        if step == 2:
+            if rank == 0:
+                time.sleep(4.0)
+            comm.barrier()
+    return _train(rank, {"diagnostics": {"collective_timeout": 2, "slow_collective_timeout": 30}},
+                  _mlp(), fault, steps=5, between=between)

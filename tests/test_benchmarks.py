@@ -112,3 +112,25 @@ def test_parallel_benchmark_smoke_run(tmp_path):
         for kind, ratio in r.get("ratio", {}).items():
             assert abs(ratio - 1) < 0.01, (r["mesh"], kind, ratio)
     assert set(rows[1]["analytic"]) == {"tp"} and set(rows[3]["analytic"]) == {"sp", "zero"}
+
+
+def test_diagnostics_benchmark_smoke_run(tmp_path):
+    """bench_diagnostics.py on the tiny GPT at stages 0 and 3: every variant is timed, the
+    stage-3 step issues more collectives than stage 0's, and the costs measured alone are
+    reported as shares of a step."""
+    out = tmp_path / "diagnostics.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_diagnostics.py"), "--model", "tiny", "--seq",
+         "16", "--micro", "2", "--blocks", "1", "--steps", "1", "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["record_us"] > 0
+    stages = got["stages"]
+    assert set(stages) == {"0", "3"}
+    assert stages["3"]["collectives_per_step"] > stages["0"]["collectives_per_step"] >= 1
+    for row in stages.values():
+        assert set(row["step_ms"]) == {"trail off", "trail on", "step check", "collective check"}
+        assert row["ratio_to_trail_off"]["trail off"] == 1.0
+        assert row["check_ms"] > 0 and 0 < row["trail_share"] < row["check_share"]
+    assert "the step check alone takes" in proc.stdout

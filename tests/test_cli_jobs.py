@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -234,6 +235,11 @@ def test_killed_rank_restarts_and_resumes_from_its_checkpoint(jobs, one_node):
     got = jobs["elastic"].result()
     assert got["restarts"] in (1, 2) and got["resumed_at"] == 4
     torch.testing.assert_close(got["losses"], one_node["losses"])
+    # Before torchrun stopped it, the survivor said who was gone and what it was doing.
+    out = jobs["elastic"].output()
+    assert re.search(r"rank 0: \S+ of [\d,]+ \w+ elements over the \w+ group \(ranks 0-1\) "
+                     r"failed at step 6, ", out), out[-6000:]
+    assert "Rank(s) 1 ended (their process is gone); their output says why." in out, out[-6000:]
 
 
 @pytest.mark.parametrize("dtype,optimizer", MODES)

@@ -18,7 +18,10 @@ import datetime
 import logging
 import os
 import re
+import signal
+import sys
 import tempfile
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -36,7 +39,7 @@ __all__ = [
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
     "split_groups", "CollectiveError", "DivergenceError", "set_position", "labelled", "mark",
     "set_check", "check_agreement", "set_timeout", "timeout_override", "default_timeout",
-    "trail", "CHECK_MODES", "check_mode",
+    "trail", "keep_trail", "CHECK_MODES", "check_mode", "flight_recorder_prefix", "FLIGHT_RECORDER_ENV",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
     "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
 ]
@@ -174,6 +177,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                         "explicit")
     accelerator.set_local_device(env.local_rank)
     _import_dynamo_first()
+    if backend == "nccl":
+        _set_up_flight_recorder()
     if env.world_size == 1 and init_method is None:
         # A world of one needs no rendezvous: an in-process store avoids taking a port.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -188,6 +193,34 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     atexit.register(_destroy_at_exit)
     logger.debug("process group: backend=%s rank=%d world=%d via %s", backend, env.rank,
                  env.world_size, env.source)
+
+
+#: NCCL's flight recorder (torch's names, old and new): a ring of the last collectives each
+#: rank issued, written to ``<prefix><rank>`` when the watchdog times a collective out. A
+#: value the user set wins.
+FLIGHT_RECORDER_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+_FR_PREFIX_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def flight_recorder_prefix() -> str:
+    """Where NCCL's flight recorder writes its dumps (the rank number is appended)."""
+    for name in _FR_PREFIX_ENV:
+        if os.environ.get(name):
+            return os.environ[name]
+    return os.path.join(tempfile.gettempdir(), "shardtrain-nccl-trace", "rank_")
+
+
+def _set_up_flight_recorder() -> None:
+    """Turns NCCL's flight recorder on before the process group exists (it reads these
+    variables when it is made)."""
+    for name, value in FLIGHT_RECORDER_ENV.items():
+        os.environ.setdefault(name, value)
+    prefix = flight_recorder_prefix()
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    for name in _FR_PREFIX_ENV:
+        os.environ.setdefault(name, prefix)
 
 
 def _import_dynamo_first() -> None:
@@ -360,12 +393,57 @@ def _guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
              call: Callable[[], object]):
     """``call()``; a failure of torch's collective becomes a :class:`CollectiveError` that
     says who and where."""
+    global _in_collective
+    _in_collective += 1
     try:
         return call()
     except RuntimeError as err:  # torch's DistBackendError and gloo's timeouts included
         if isinstance(err, CollectiveError):
             raise
-        raise CollectiveError(_explain(op, group, tensor, err)) from err
+        error = CollectiveError(_explain(op, group, tensor, err))
+        _end_if_stopped(str(error))
+        raise error from err
+    finally:
+        _in_collective -= 1
+        if not _in_collective:
+            _end_if_stopped(None)
+
+
+# torchrun stops the other workers with SIGTERM as soon as one fails; a survivor blocked in
+# a collective with the dead one would end before saying what it was doing. While a
+# collective runs (or its failure is being explained), SIGTERM therefore waits: afterwards the
+# report is printed and the process ends by the same signal. Anywhere else it ends the
+# process at once, as before.
+_in_collective = 0
+_stop_pending = False
+
+
+def _install_stop_handler() -> None:
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the script's own handler stays
+    signal.signal(signal.SIGTERM, _on_stop)
+
+
+def _on_stop(signum, frame) -> None:
+    global _stop_pending
+    if _in_collective:
+        _stop_pending = True
+        return
+    _end(signum)
+
+
+def _end_if_stopped(report: Optional[str]) -> None:
+    if _stop_pending:
+        if report:
+            sys.stderr.write(report + "\n")
+            sys.stderr.flush()
+        _end(signal.SIGTERM)
+
+
+def _end(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
@@ -388,9 +466,11 @@ def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
         lines.append(diff.explain(found.ended))
     lines.append(_who_is_gone(found, diff is not None))
     if get_backend() == "nccl":
-        lines.append(f"NCCL's flight recorder wrote its record of the last collectives to "
-                     f"{os.environ.get('TORCH_FR_DUMP_TEMP_FILE', '?')}<rank>; read it with "
-                     f"python -m torch.distributed.flight_recorder.fr_trace.")
+        lines.append(f"NCCL's flight recorder writes each rank's last collectives to "
+                     f"{flight_recorder_prefix()}<rank> when its watchdog times one out; "
+                     f"compare them with: python -m torch.distributed.flight_recorder.fr_trace "
+                     f"{os.path.dirname(flight_recorder_prefix())} --prefix "
+                     f"{os.path.basename(flight_recorder_prefix())}")
     return "\n".join([lines[0]] + ["  " + line.replace("\n", "\n  ") for line in lines[1:]])
 
 
@@ -461,7 +541,17 @@ def trail() -> Optional[_trail.Trail]:
     except OSError as err:  # a read-only or full temp dir: keep the trail in memory
         logger.debug("trail file: %s; the trail stays in memory", err)
         _trail_now = _trail.Trail(slots)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun (shardtrain run)
+        _install_stop_handler()
     return _trail_now
+
+
+def keep_trail(on: bool) -> None:
+    """Turns this process's collective trail on (the default) or off. Off, a failed
+    collective names no differing collective and the divergence check has nothing to
+    compare; every rank must switch at the same point (the positions count from there)."""
+    global _trail_off
+    _trail_off = not on
 
 
 def _remove_stale_trails(folder: str) -> None:
