@@ -102,7 +102,7 @@ def _worker(rank, world, port, args, queue):
             "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}})
 
-        def step():
+        def step(engine=engine):
             loss = engine(batch[:, :-1], batch[:, 1:])
             engine.backward(loss)
             engine.step()

@@ -6,6 +6,7 @@ tied to another) are counted once, in the first category that names them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Dict, Iterable, Iterator, Optional
 
 import torch
@@ -13,7 +14,8 @@ import torch
 from . import accelerator
 from ._fileio import atomic_path
 
-__all__ = ["count_bytes", "zero_formula_bytes", "write_weights", "peak_memory"]
+__all__ = ["count_bytes", "zero_formula_bytes", "BytesPerParam", "bytes_per_param",
+           "estimate_model_states", "write_weights", "peak_memory"]
 
 
 def count_bytes(groups: Dict[str, Iterable[torch.Tensor]]) -> Dict[str, int]:
@@ -47,6 +49,45 @@ def zero_formula_bytes(num_params: int, world_size: int, stage: int, param_bytes
     """
     p, g, k, n = param_bytes * num_params, grad_bytes * num_params, optimizer_bytes * num_params, world_size
     return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+
+
+@dataclasses.dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes each parameter costs in model states: ``p`` as parameter, ``g`` as gradient,
+    ``k`` in the optimizer (fp32 master copy included), and what ``k`` is made of."""
+
+    p: int
+    g: int
+    k: int
+    k_parts: str
+
+
+def bytes_per_param(dtype: str, optimizer: str) -> BytesPerParam:
+    """The bytes per parameter of ``dtype`` ("fp32", "bf16", "fp16") parameters trained
+    with ``optimizer`` ("adam": two fp32 moments, "sgd": one momentum)."""
+    states, what = {"adam": (8, "Adam moments 8"), "sgd": (4, "SGD momentum 4")}[optimizer]
+    if dtype == "fp32":
+        return BytesPerParam(4, 4, states, what)
+    return BytesPerParam(2, 2, 4 + states, f"fp32 master 4 + {what}")
+
+
+def estimate_model_states(trainable: int, frozen: int, persistent: int, world_size: int,
+                          stage: int, b: BytesPerParam) -> Dict[str, int]:
+    """Per-rank model-state bytes at ``stage`` over ``world_size`` ZeRO ranks, as
+    ``shardtrain estimate`` predicts them: ``params``, ``grads``, ``optimizer`` and
+    ``total``. Frozen parameters cost their parameter bytes only; at stage 3 the
+    ``persistent`` (small) parameters are whole on every rank, adding
+    ``p * persistent * (N - 1) / N``.
+
+    The formula is linear in each kind of bytes, so one kind at a time splits the total.
+    """
+    def share(p: int = 0, g: int = 0, k: int = 0) -> int:
+        return round(zero_formula_bytes(trainable, world_size, stage, p, g, k)
+                     + zero_formula_bytes(frozen, world_size, stage, p, 0, 0))
+
+    extra = round(b.p * persistent * (world_size - 1) / world_size) if stage == 3 else 0
+    return {"params": share(p=b.p) + extra, "grads": share(g=b.g), "optimizer": share(k=b.k),
+            "total": share(b.p, b.g, b.k) + extra}
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict
 import torch
 
 from ..config import IMPLEMENTED_ZERO_STAGES, ZeroConfig
-from ..memory import zero_formula_bytes
+from ..memory import BytesPerParam, bytes_per_param, estimate_model_states
 from ._common import (_default_nproc, _Failure, _human, _non_negative_int, _one_line, _plural,
                           _positive_int, _UsageError)
 
@@ -95,24 +95,6 @@ def _json_object(text: str) -> Dict[str, Any]:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
-class _BytesPerParam:
-    """Bytes each parameter costs: ``p`` as parameter, ``g`` as gradient, ``k`` in the
-    optimizer (master copy included), and what ``k`` is made of."""
-
-    p: int
-    g: int
-    k: int
-    k_parts: str
-
-
-def _bytes_per_param(dtype: str, optimizer: str) -> _BytesPerParam:
-    states, what = {"adam": (8, "Adam moments 8"), "sgd": (4, "SGD momentum 4")}[optimizer]
-    if dtype == "fp32":
-        return _BytesPerParam(4, 4, states, what)
-    return _BytesPerParam(2, 2, 4 + states, f"fp32 master 4 + {what}")
-
-
 def _cmd_estimate(args: argparse.Namespace) -> int:
     nproc = args.nproc or _default_nproc()
     mesh = _mesh(args, nproc * args.nnodes)
@@ -124,7 +106,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         trainable=sum(local[id(p)] for p in params if p.requires_grad),
         persistent=sum(local[id(p)] for p in params if local[id(p)] <= args.persistence_threshold),
         frozen=sum(local[id(p)] for p in params if not p.requires_grad))
-    report = _estimate(counts, nproc, args.nnodes, _bytes_per_param(args.dtype, args.optimizer),
+    report = _estimate(counts, nproc, args.nnodes, bytes_per_param(args.dtype, args.optimizer),
                        mesh)
     report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
                   persistence_threshold=args.persistence_threshold,
@@ -202,30 +184,14 @@ def _local_numels(model: torch.nn.Module, mesh: _Mesh) -> Dict[int, int]:
             for p in model.parameters()}
 
 
-def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: _BytesPerParam,
+def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: BytesPerParam,
               mesh: _Mesh) -> Dict[str, Any]:
-    """Per-rank model-state bytes of every stage, from :func:`zero_formula_bytes`.
-
-    The formula is linear in each kind of bytes, so calling it with one kind at a time splits
-    the total into parameters, gradients and optimizer states. Frozen parameters cost their
-    parameter bytes only. At stage 3 the persistent (small) parameters are whole on every
-    rank instead of sharded: that adds ``p * persistent * (N - 1) / N``. On a mesh the counts
-    are one tensor-parallel slice's and N is the ranks ZeRO shards over.
-    """
-    world = mesh.zero
-    frozen = n.frozen
-    persistent_extra = round(b.p * n.persistent * (world - 1) / world)
-
-    def share(stage: int, p: int = 0, g: int = 0, k: int = 0) -> int:
-        return round(zero_formula_bytes(n.trainable, world, stage, p, g, k)
-                     + zero_formula_bytes(frozen, world, stage, p, 0, 0))
-
+    """Per-rank model-state bytes of every stage (:func:`estimate_model_states`); on a mesh
+    the counts are one tensor-parallel slice's and N is the ranks ZeRO shards over."""
     stages = []
     for stage in range(4):
-        extra = persistent_extra if stage == 3 else 0
         row = {"stage": stage, "implemented": stage in IMPLEMENTED_ZERO_STAGES,
-               "params": share(stage, p=b.p) + extra, "grads": share(stage, g=b.g),
-               "optimizer": share(stage, k=b.k), "total": share(stage, b.p, b.g, b.k) + extra,
+               **estimate_model_states(n.trainable, n.frozen, n.persistent, mesh.zero, stage, b),
                "offload": None}
         if stage > 0:  # DeepSpeed offloads optimizer states at stages 1-3 only
             row["offload"] = {"device": row["params"] + row["grads"], "host": row["optimizer"],
@@ -236,7 +202,7 @@ def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: _BytesPerParam,
             "persistent_parameters": n.persistent, "nproc": nproc, "nnodes": nnodes,
             "world_size": nproc * nnodes,
             "mesh": {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp,
-                     "sequence_parallel": mesh.sp, "zero_shards": world,
+                     "sequence_parallel": mesh.sp, "zero_shards": mesh.zero,
                      "parameters_per_rank": n.trainable + n.frozen},
             "bytes_per_parameter": {"params": b.p, "grads": b.g, "optimizer": b.k,
                                     "optimizer_parts": b.k_parts},

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -24,8 +23,8 @@ import torch
 from .. import accelerator
 from .._sizes import format_bytes
 from ..autotune.budget import OutOfMemoryError
-from ..memory import zero_formula_bytes
-from ..zero._groups import ParamGroup
+from ..memory import bytes_per_param, estimate_model_states
+from ..zero import GATHERING
 
 #: Environment variable naming a directory: on CUDA, each rank writes its allocator's
 #: recorded history there when it runs out of memory (``oom-rank<R>.pickle``).
@@ -34,8 +33,6 @@ SNAPSHOT_ENV = "SHARDTRAIN_MEMORY_SNAPSHOT"
 SNAPSHOT_ENTRIES = 100_000
 
 _CPU_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory"
-# The methods in whose frames a stage-3 gather allocates (the gathered rows, the parameters).
-_GATHER_CODE = {ParamGroup.launch.__code__, ParamGroup.wait.__code__}
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -155,55 +152,40 @@ class OomReporter:
 
 def gathered_module(error: BaseException, module: torch.nn.Module) -> Optional[str]:
     """The module whose stage-3 parameter group was being gathered when ``error`` was
-    raised, from the frames of its traceback (None outside a gather)."""
-    group = None
-    tb: Optional[types.TracebackType] = error.__traceback__
-    while tb is not None:  # the innermost gather frame wins
-        if tb.tb_frame.f_code in _GATHER_CODE:
-            group = tb.tb_frame.f_locals.get("self")
-        tb = tb.tb_next
-    if group is None:
-        return None
-    name = getattr(group, "name", None)  # the owning module's qualified name, when known
-    if name is None and group.owner is not None:
-        name = next((n for n, m in module.named_modules() if group in group.owner.of(m)), None)
+    raised (the gather names it on the error; None outside a gather)."""
+    name = getattr(error, GATHERING, None)
     if name is None:
-        return "(unknown)"
+        return None
+    if name == "(root)":
+        return f"(the root module, {type(module).__name__})"
     try:
-        kind = type(module.get_submodule(name)).__name__
+        return f"{name!r} ({type(module.get_submodule(name)).__name__})"
     except AttributeError:
         return repr(name)
-    return f"{name!r} ({kind})" if name else f"(the root module, {kind})"
 
 
 def predicted_model_states(engine: Any) -> Tuple[int, str]:
-    """What ``shardtrain estimate`` predicts for this rank's model states: the ZeRO formula
-    with the engine's parameter dtype and optimizer, over the ranks ZeRO shards over; at
-    stage 3 parameters kept whole (``ds_persist``) count on every rank. Returns
+    """What ``shardtrain estimate`` predicts for this rank's model states: its formula with
+    the engine's parameter dtype and optimizer, over the ranks ZeRO shards over. Returns
     ``(bytes, how)``."""
     params = list({id(p): p for p in engine.module.parameters()}.values())
     floats = [p for p in params if p.is_floating_point()]
-    p_bytes = floats[0].element_size() if floats else 4
-    sgd = type(engine.optimizer).__name__.lower().startswith("sgd")
-    states = 4 if sgd else 8
-    k = states if p_bytes == 4 else 4 + states  # 16-bit parameters: an fp32 master on top
-    stage, world = engine.zero_optimization_stage(), engine.mesh.zero.size()
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        floats[0].dtype if floats else torch.float32, "fp32")
+    optimizer = "sgd" if type(engine.optimizer).__name__.lower().startswith("sgd") else "adam"
+    b = bytes_per_param(dtype, optimizer)
 
     def numel(p: torch.nn.Parameter) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
 
     trainable = sum(numel(p) for p in params if p.requires_grad)
     frozen = sum(numel(p) for p in params if not p.requires_grad)
-    total = (zero_formula_bytes(trainable, world, stage, p_bytes, p_bytes, k)
-             + zero_formula_bytes(frozen, world, stage, p_bytes, 0, 0))
-    if stage == 3:
-        whole = sum(numel(p) for p in params if getattr(p, "ds_persist", False))
-        total += p_bytes * whole * (world - 1) / world
-    dtype = {4: "fp32", 2: "bf16" if floats and floats[0].dtype == torch.bfloat16 else "fp16"}
-    how = (f"--dtype {dtype.get(p_bytes, 'fp32')} --optimizer {'sgd' if sgd else 'adam'}: "
-           f"p = {p_bytes}, g = {p_bytes}, K = {k} bytes per parameter, "
-           f"{trainable + frozen:,} parameters")
-    return round(total), how
+    persistent = sum(numel(p) for p in params if getattr(p, "ds_persist", False))
+    total = estimate_model_states(trainable, frozen, persistent, engine.mesh.zero.size(),
+                                  engine.zero_optimization_stage(), b)["total"]
+    how = (f"--dtype {dtype} --optimizer {optimizer}: p = {b.p}, g = {b.g}, K = {b.k} bytes "
+           f"per parameter, {trainable + frozen:,} parameters")
+    return total, how
 
 
 def advice(engine: Any) -> List[str]:

@@ -10,11 +10,12 @@ per engine, assembled per stage from private parts (a gradient reducer, an optim
 an after-step gatherer and, at stage 3, a parameter schedule) that move data with the free
 functions of ``_collectives``.
 """
+from ._groups import GATHERING
 from ._params import GatheredParameters, ZeroParamStatus
 from .init import Init
 from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                    set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
 
-__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "set_z3_leaf_modules",
+__all__ = ["Init", "GatheredParameters", "GATHERING", "ZeroParamStatus", "set_z3_leaf_modules",
            "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
            "z3_leaf_module", "get_z3_leaf_modules"]

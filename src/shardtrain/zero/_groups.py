@@ -26,6 +26,8 @@ from ._params import (ZeroParamStatus, adopt, is_partitioned, mark_available, ma
 from ._shards import ShardLayout, full_numel
 
 RELEASED, INFLIGHT, AVAILABLE = "released", "inflight", "available"
+#: The attribute an error raised while gathering a group carries: the group's module name.
+GATHERING = "shardtrain_gathering"
 
 
 class ParamGroup:
@@ -73,10 +75,14 @@ class ParamGroup:
         if self.status != RELEASED:
             return
         # An offloaded shard travels to the device first (a copy even when both are the CPU).
-        mine = self.flat.to(self.device, copy=True, non_blocking=True) if self.offload \
-            else self.flat
-        with comm.labelled(self.name):
-            self._flight = coll.all_gather_rows(mine, self.group, self.device)
+        try:
+            mine = self.flat.to(self.device, copy=True, non_blocking=True) if self.offload \
+                else self.flat
+            with comm.labelled(self.name):
+                self._flight = coll.all_gather_rows(mine, self.group, self.device)
+        except RuntimeError as err:
+            self._tag(err)
+            raise
         self.status = INFLIGHT
         for p in self.params:
             p.ds_status = ZeroParamStatus.INFLIGHT
@@ -85,10 +91,14 @@ class ParamGroup:
         """Lands a launched all-gather in the parameters."""
         if self.status != INFLIGHT:
             return
-        gathered = self._flight.wait()
-        with torch.no_grad():  # one copy for the group: column block i is parameter i's chunks
-            torch.split_with_sizes_copy(gathered, self.layout.chunks, dim=1,
-                                        out=[materialize(p) for p in self.params])
+        try:
+            gathered = self._flight.wait()
+            with torch.no_grad():  # one copy for the group: column block i is parameter i's
+                torch.split_with_sizes_copy(gathered, self.layout.chunks, dim=1,
+                                            out=[materialize(p) for p in self.params])
+        except RuntimeError as err:
+            self._tag(err)
+            raise
         for p in self.params:
             mark_available(p)
         self._flight = None
@@ -97,6 +107,12 @@ class ParamGroup:
     def gather(self) -> None:
         self.launch()
         self.wait()
+
+    def _tag(self, error: BaseException) -> None:
+        """Names this group's module on an error raised while gathering it (an out-of-memory
+        report says which module; the innermost gather keeps its name)."""
+        if getattr(error, GATHERING, None) is None:
+            setattr(error, GATHERING, self.name)
 
     def release(self) -> None:
         self.wait()  # an all-gather in flight must land before its memory goes
