@@ -32,4 +32,7 @@ timeout 120 python3 benchmarks/bench_ddp.py --device cuda --world 1 --n-layer 12
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 240 python3 benchmarks/bench_parallel.py --device cuda --world 2 --threads 4 \
     --json "$OUT/bench_parallel_cuda.json" 2>&1 | tee "$OUT/bench_parallel_cuda.log"
+  # What the collective trail and the divergence check cost with NCCL.
+  timeout 120 python3 benchmarks/bench_diagnostics.py --device cuda --threads 4 \
+    --json "$OUT/bench_diagnostics_cuda.json" 2>&1 | tee "$OUT/bench_diagnostics_cuda.log"
 fi

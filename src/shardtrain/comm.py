@@ -497,16 +497,22 @@ def _who_is_gone(found: "_failure.Findings", differ: bool) -> str:
     return " ".join(parts)
 
 
-def _short_store():
-    """The rendezvous store, with a short timeout (a dead host must not stall the report);
-    None when there is none."""
+def _default_store():
+    """The rendezvous store; None when there is none."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=_ROLL_CALL_SECONDS))
-        return store
+        return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError) as err:
-        logger.debug("no rendezvous store to inquire through: %s", err)
+        logger.debug("no rendezvous store: %s", err)
         return None
+
+
+def _short_store():
+    """The rendezvous store with a short timeout, after a failure (a dead host must not
+    stall the report; the broken group needs no rendezvous any more)."""
+    store = _default_store()
+    if store is not None:
+        store.set_timeout(datetime.timedelta(seconds=_ROLL_CALL_SECONDS))
+    return store
 
 
 # -- the collective trail ------------------------------------------------------------------
@@ -535,7 +541,7 @@ def trail() -> Optional[_trail.Trail]:
         _remove_stale_trails(folder)
         path = os.path.join(folder, f"rank{get_rank()}-pid{os.getpid()}.trail")
         _trail_now = _trail.Trail(slots, path)
-        store = _short_store()
+        store = _default_store()  # its timeout stays: later groups rendezvous through it
         if store is not None:
             _failure.announce_trail(store, get_rank(), path)
     except OSError as err:  # a read-only or full temp dir: keep the trail in memory

@@ -119,3 +119,21 @@ def test_this_process_is_alive_and_an_unused_pid_is_gone():
     assert not process_gone(os.getpid())
     unused = next(pid for pid in range(4_000_000, 1, -1) if not os.path.exists(f"/proc/{pid}"))
     assert process_gone(unused)
+
+
+def test_nccl_flight_recorder_is_set_up_unless_the_user_chose(monkeypatch, tmp_path):
+    from shardtrain import comm
+    for name in (*comm.FLIGHT_RECORDER_ENV, "TORCH_FR_DUMP_TEMP_FILE",
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's value wins
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    comm._set_up_flight_recorder()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    prefix = str(tmp_path / "shardtrain-nccl-trace" / "rank_")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == prefix == comm.flight_recorder_prefix()
+    assert (tmp_path / "shardtrain-nccl-trace").is_dir()
