@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from shardtrain.cli import main
 
 TIMEOUT_S = 3
 ROLL_CALL_S = 5
@@ -52,10 +53,13 @@ def test_the_stuck_rank_learns_its_peer_is_gone(stuck):
     assert "step 2, micro-step" in message, message
 
 
-def test_a_killed_rank_is_named_as_ended_with_its_last_collective():
+def test_a_killed_rank_is_named_as_ended_with_its_last_collective(tmp_path, capsys):
     """Rank 1's process ends mid-step: the survivor reads the trail its file left and says
-    which collective rank 1 never issued, without waiting out the roll call."""
-    got = _run("killed_rank", need=[0])[0]
+    which collective rank 1 never issued, without waiting out the roll call. Both trails
+    stay behind, and ``shardtrain trails`` reads the same from them afterwards."""
+    got = run_ranks("cases_failures:killed_rank", 2, timeout=120, need=[0],
+                    env={"SHARDTRAIN_COLLECTIVE_TIMEOUT": str(TIMEOUT_S),
+                         "SHARDTRAIN_TRAIL_DIR": str(tmp_path)})[0]
     message = got["error"]
     assert message.startswith("rank 0: all_reduce of 165 float32 elements over the zero group "
                               "(ranks 0-1) failed at step 2, micro-step 2 of 2, in backward"), message
@@ -66,6 +70,11 @@ def test_a_killed_rank_is_named_as_ended_with_its_last_collective():
                      r"backward\)\)", message), message
     assert message.endswith("Rank(s) 1 ended (their process is gone); their output says why."), message
     assert got["seconds"] < BOUND_S, got
+    assert main(["trails", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"rank 1 \(pid \d+, ended, written ", out), out
+    assert "\n  rank 0: all_reduce of 165 float32 elements (step 2, micro-step 2 of 2, in " \
+           "backward)\n  rank 1: ended without issuing it" in out, out
 
 
 def test_one_extra_all_reduce_is_named_with_its_size_and_step():

@@ -22,6 +22,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -39,7 +40,7 @@ __all__ = [
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
     "split_groups", "CollectiveError", "DivergenceError", "set_position", "labelled", "mark",
     "set_check", "check_agreement", "set_timeout", "timeout_override", "default_timeout",
-    "trail", "keep_trail", "CHECK_MODES", "check_mode", "flight_recorder_prefix", "FLIGHT_RECORDER_ENV",
+    "trail", "trail_dir", "keep_trail", "CHECK_MODES", "check_mode", "flight_recorder_prefix", "FLIGHT_RECORDER_ENV",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
     "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
 ]
@@ -534,8 +535,7 @@ def trail() -> Optional[_trail.Trail]:
     if get_world_size() == 1 or slots <= 0:
         _trail_off = True
         return None
-    folder = os.environ.get(_TRAIL_DIR_ENV) or os.path.join(
-        tempfile.gettempdir(), f"shardtrain-trails-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    folder = trail_dir()
     try:
         os.makedirs(folder, exist_ok=True)
         _remove_stale_trails(folder)
@@ -552,6 +552,13 @@ def trail() -> Optional[_trail.Trail]:
     return _trail_now
 
 
+def trail_dir() -> str:
+    """Where the ranks of this machine keep their trail files (``rank<R>-pid<P>.trail``):
+    ``$SHARDTRAIN_TRAIL_DIR``, else a folder of this user's in the temporary directory."""
+    return os.environ.get(_TRAIL_DIR_ENV) or os.path.join(
+        tempfile.gettempdir(), f"shardtrain-trails-{os.getuid() if hasattr(os, 'getuid') else 0}")
+
+
 def keep_trail(on: bool) -> None:
     """Turns this process's collective trail on (the default) or off. Off, a failed
     collective names no differing collective and the divergence check has nothing to
@@ -560,13 +567,19 @@ def keep_trail(on: bool) -> None:
     _trail_off = not on
 
 
+_STALE_TRAIL_S = 24 * 3600  # a trail a dead process left is kept a day (shardtrain trails)
+
+
 def _remove_stale_trails(folder: str) -> None:
-    """Trail files of processes that ended without removing theirs (killed, aborted)."""
+    """Trail files that processes which ended without removing theirs (killed, aborted)
+    left more than a day ago."""
+    old = time.time() - _STALE_TRAIL_S
     for name in os.listdir(folder):
         match = re.fullmatch(r"rank\d+-pid(\d+)\.trail", name)
-        if match and _failure.process_gone(int(match.group(1))):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(folder, name))
+        path = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            if match and os.path.getmtime(path) < old and _failure.process_gone(int(match.group(1))):
+                os.remove(path)
 
 
 def _close_trail(remove: bool) -> None:

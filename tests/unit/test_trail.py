@@ -137,3 +137,30 @@ def test_nccl_flight_recorder_is_set_up_unless_the_user_chose(monkeypatch, tmp_p
     prefix = str(tmp_path / "shardtrain-nccl-trace" / "rank_")
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == prefix == comm.flight_recorder_prefix()
     assert (tmp_path / "shardtrain-nccl-trace").is_dir()
+
+
+def _leave(folder, rank, pid, numels):
+    t = Trail(16, str(folder / f"rank{rank}-pid{pid}.trail"))
+    for n in numels:
+        t.record("zero", "0", "0-1", "all_reduce", n, "float32", "", "step 2")
+    t.close(remove=False)
+
+
+def test_shardtrain_trails_compares_what_the_ranks_left(tmp_path, capsys):
+    from shardtrain.cli import main
+    dead = next(pid for pid in range(4_000_000, 1, -1) if not os.path.exists(f"/proc/{pid}"))
+    _leave(tmp_path, 0, os.getpid(), [10, 10, 165])
+    _leave(tmp_path, 1, dead, [10, 10, 3])
+    assert main(["trails", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"rank 1 (pid {dead}, ended, written " in out
+    assert "3 records; last #3 over the zero group: all_reduce of 3 float32 elements" in out
+    assert ("The ranks' collectives first differ at collective #3 over the zero group "
+            "(ranks 0-1):\n  rank 0: all_reduce of 165 float32 elements (step 2)\n"
+            "  rank 1: all_reduce of 3 float32 elements (step 2)") in out
+
+
+def test_shardtrain_trails_says_when_there_is_nothing_to_read(tmp_path, capsys):
+    from shardtrain.cli import main
+    assert main(["trails", str(tmp_path)]) == 1
+    assert "no trail files (rank<R>-pid<P>.trail) in " in capsys.readouterr().err

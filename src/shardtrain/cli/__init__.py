@@ -11,6 +11,7 @@ module owns its command's options, examples and work, and registers itself with
 * ``_info``: ``shardtrain info``, what a bug report needs;
 * ``_doctor``: ``shardtrain doctor``, every rank's versions and devices, then compute and
   bandwidth across the ranks, naming a slow rank or pair;
+* ``_trails``: ``shardtrain trails``, the collective trails ranks left behind, compared;
 * ``_consolidate``: ``shardtrain consolidate``, a checkpoint's full weights in one file or
   in the Hugging Face layout;
 * ``_import_deepspeed``: ``shardtrain import-deepspeed``, a DeepSpeed checkpoint converted;
@@ -43,7 +44,7 @@ import torch
 
 from .. import __version__
 from . import (_alias, _autotune, _consolidate, _doctor, _estimate, _import_deepspeed,
-               _info, _plot, _run)
+               _info, _plot, _run, _trails)
 from ._autotune import autotune_main
 from ._common import _Failure, _UsageError
 from ._plot import plot_main
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _estimate.add_parser(commands)
     _info.add_parser(commands)
     _doctor.add_parser(commands)
+    _trails.add_parser(commands)
     _consolidate.add_parser(commands)
     _import_deepspeed.add_parser(commands)
     _alias.add_parser(commands)
