@@ -38,7 +38,7 @@ def free_port() -> int:
 #: What a worker prints when it aborts in C++ teardown after its Python code has finished
 #: (with PYTHONFAULTHANDLER=1 the main thread shows no Python frame): a gloo worker thread
 #: freeing its last collective's tensors while the interpreter exits. comm.init_distributed
-#: removes the known cause (see comm._import_dynamo_first); the jobs run again once if it
+#: removes the known cause (see comm._process._import_dynamo_first); the jobs run again once if it
 #: shows up anyway, with a warning, so that a teardown race below shardtrain does not fail a
 #: test about training.
 EXIT_ABORT = ("terminate called without an active exception", "<no Python frame>")

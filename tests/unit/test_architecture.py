@@ -42,8 +42,27 @@ def uses(tree: ast.AST, prefix: str) -> bool:
 # scripts: deepspeed.comm (torch.distributed on any group) and deepspeed.accelerator
 # (torch.cuda behind DeepSpeed's accelerator methods). The engine never uses either.
 def test_only_comm_talks_to_torch_distributed():
-    offenders = [name for name, tree in modules() if uses(tree, "torch.distributed")]
-    assert offenders == ["comm.py", "deepspeed/comm/comm.py"], offenders
+    offenders = [name for name, tree in modules() if uses(tree, "torch.distributed")
+                 and not name.startswith("comm/")]
+    assert offenders == ["deepspeed/comm/comm.py"], offenders
+    assert {name for name, _ in modules() if name.startswith("comm/")} == {
+        "comm/__init__.py", "comm/_process.py", "comm/_groups.py", "comm/_diagnose.py",
+        "comm/_ops.py"}
+
+
+def test_comm_imports_go_one_way():
+    """``_process`` <- ``_groups`` <- ``_diagnose`` <- ``_ops`` (each imports only those
+    before it, type hints aside), and ``__init__`` gathers them."""
+    order = ["_process", "_groups", "_diagnose", "_ops"]
+    for name, tree in modules():
+        if not name.startswith("comm/_") or name == "comm/__init__.py":
+            continue
+        me = order.index(name[len("comm/"):-len(".py")])
+        for node in runtime_nodes(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                targets = [node.module] if node.module else [a.name for a in node.names]
+                for target in targets:
+                    assert order.index(target) < me, (name, target)
 
 
 def test_only_accelerator_branches_on_cuda():

@@ -123,6 +123,7 @@ def test_this_process_is_alive_and_an_unused_pid_is_gone():
 
 def test_nccl_flight_recorder_is_set_up_unless_the_user_chose(monkeypatch, tmp_path):
     from shardtrain import comm
+    from shardtrain.comm._process import _set_up_flight_recorder
     for name in (*comm.FLIGHT_RECORDER_ENV, "TORCH_FR_DUMP_TEMP_FILE",
                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.delenv(name, raising=False)
@@ -130,7 +131,7 @@ def test_nccl_flight_recorder_is_set_up_unless_the_user_chose(monkeypatch, tmp_p
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)
-    comm._set_up_flight_recorder()
+    _set_up_flight_recorder()
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
