@@ -153,17 +153,17 @@ def metric_dtype(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def bounds(rank: int, world_size: int) -> Dict[str, Any]:
-    """collective_timeout 2 s, slow_collective_timeout 30 s: rank 1 is 4 s late in the first
-    step (warm-up) and 4 s late outside a step (rank 0 "evaluates" while rank 1 waits at a
-    barrier), both within the long bound; then 6 s late inside step 4, past the short one."""
+    """collective_timeout 1.5 s, slow_collective_timeout 30 s: rank 1 is 2.5 s late in the first
+    step (warm-up) and 2.5 s late outside a step (rank 0 "evaluates" while rank 1 waits at a
+    barrier), both within the long bound; then 3 s late inside step 4, past the short one."""
     def fault(step, micro):
         if rank == 1 and (step, micro) in ((0, 0), (3, 1)):
-            time.sleep(4.0 if step == 0 else 6.0)
+            time.sleep(2.5 if step == 0 else 3.0)
 
     def between(step):
         if step == 2:
             if rank == 0:
-                time.sleep(4.0)
+                time.sleep(2.5)
             comm.barrier()
-    return _train(rank, {"diagnostics": {"collective_timeout": 2, "slow_collective_timeout": 30}},
+    return _train(rank, {"diagnostics": {"collective_timeout": 1.5, "slow_collective_timeout": 30}},
                   _mlp(), fault, steps=5, between=between)
