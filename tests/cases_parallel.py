@@ -16,7 +16,7 @@ are compared as they are.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Set
 
 import torch
 from torch.utils.data import default_collate
@@ -89,17 +89,28 @@ def train(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: int,
                                        collate_fn=collate, **init)
     batches = iter(engine.training_dataloader)
     losses, shapes = [], []
-    for _ in range(steps * engine.gradient_accumulation_steps()):
-        batch = next(batches)
-        shapes.append(tuple(batch["input_ids"].shape))
-        loss = loss_of(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    wire: Set[str] = set()  # the dtypes gradients were reduced in (the larger reductions)
+
+    def reductions(op: str, tensor: torch.Tensor) -> None:
+        if op in ("all_reduce", "reduce_scatter") and tensor.numel() >= 1024:
+            wire.add(str(tensor.dtype).replace("torch.", ""))
+
+    comm.add_observer(reductions)
+    try:
+        for _ in range(steps * engine.gradient_accumulation_steps()):
+            batch = next(batches)
+            shapes.append(tuple(batch["input_ids"].shape))
+            loss = loss_of(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        comm.remove_observer(reductions)
     weights = {k: v.float().clone() for k, v in full_state_dict(engine.module, rank=None).items()}
     out = {"losses": losses, "seen": seen, "shapes": shapes, "weights": weights,
            "coordinate": engine.mesh.coordinate(), "dp": engine.dp_world_size,
-           "norm": engine.get_global_grad_norm()}
+           "norm": engine.get_global_grad_norm(), "wire": sorted(wire),
+           "comm_dtype": str(engine.communication_data_type).replace("torch.", "")}
     engine.destroy()
     return out
 
@@ -155,7 +166,8 @@ def compare(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: in
     return {"loss_err": loss_err, "weight_err": weight_err, "same_in_group": same_in_group,
             "norm_err": abs(got["norm"] - ref["norm"]), "shapes": got["shapes"],
             "replicas": len(replicas), "dp": got["dp"], "moved": _moved(ref["weights"], build),
-            "norms": (got["norm"], ref["norm"]), "worst": worst}
+            "norms": (got["norm"], ref["norm"]), "worst": worst, "wire": got["wire"],
+            "comm_dtype": got["comm_dtype"]}
 
 
 def _moved(weights: Dict[str, torch.Tensor], build: Callable[[], torch.nn.Module]) -> float:
@@ -442,10 +454,40 @@ def mesh_contract(rank: int, world_size: int, save_dir: str) -> Dict[str, Any]:
     cases["bf16_dp2xtp2"] = lambda r, w: compare(llama_tp4, config(
         2, tensor_parallel={"autotp_size": 2}, **bf16))
     cases["bf16_dp2xsp2"] = lambda r, w: compare(llama, config(2, sequence_parallel_size=2, **bf16))
+    cases["bf16_dp2xsp2_bf16_wire"] = lambda r, w: compare(llama, config(
+        2, sequence_parallel_size=2, seq_parallel_communication_data_type="bf16", **bf16), steps=1)
+    cases["clip_with_mpu"] = lambda r, w: _clip_with_mpu(llama_tp4)
     for stage in (1, 3):  # both model-parallel dimensions: heads split by TP, then by SP
         cases[f"tp2xsp2_stage{stage}"] = (lambda r, w, s=stage: compare(llama_tp4, config(
             s, tensor_parallel={"autotp_size": 2}, sequence_parallel_size=2)))
     return run_cases(cases, rank, world_size)
+
+
+def _clip_with_mpu(build: Callable[[], torch.nn.Module]) -> Dict[str, Any]:
+    """DeepSpeed's ``clip_grad_norm_(..., mpu=engine.mpu)`` on dp 2 x tp 2 after one
+    backward (stage 0, gradients averaged over data-parallel ranks), against torch's norms of
+    the whole model on the global batch in one process."""
+    from deepspeed.runtime.utils import clip_grad_norm_, is_model_parallel_parameter
+    engine, *_ = shardtrain.initialize(model=build(), config=config(
+        0, gas=1, tensor_parallel={"autotp_size": 2}), training_data=Tokens())
+    batch = next(iter(engine.training_dataloader))
+    engine.backward(hf_loss(engine, batch))
+    params = list(engine.module.parameters())
+    got = {kind: clip_grad_norm_(params, 1e9, norm_type=kind, mpu=engine.mpu).item()
+           for kind in (2.0, float("inf"))}
+    split = sum(is_model_parallel_parameter(p) for p in params)
+    clip_grad_norm_(params, 0.25, mpu=engine.mpu)
+    after = clip_grad_norm_(params, 1e9, mpu=engine.mpu).item()
+    seen = dict(comm.all_gather_object((engine.mesh.coordinate()["dp"], batch)))  # per replica
+    engine.destroy()
+    model = build()
+    for b in seen.values():
+        (hf_loss(model, b) / len(seen)).backward()
+    grads = [p.grad for p in model.parameters()]
+    want = {kind: torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, kind)
+                                                        for g in grads]), kind).item()
+            for kind in (2.0, float("inf"))}
+    return {"got": got, "want": want, "after": after, "split": split, "params": len(params)}
 
 
 def _mpu_view(mpu: UserMPU) -> Dict[str, int]:

@@ -192,6 +192,20 @@ def test_bf16_on_a_mesh_tracks_the_fp32_reference(contract, mesh):
         assert case["loss_err"] < 2e-3, (rank, case["loss_err"])
         got_norm, want_norm = case["norms"]
         assert abs(got_norm - want_norm) < 1e-2 * want_norm, (rank, case["norms"])
+        # gradients are reduced in fp32 on a sequence-parallel mesh (DeepSpeed's
+        # seq_parallel_communication_data_type default), in bf16 otherwise
+        want = "float32" if mesh == "dp2xsp2" else "bfloat16"
+        assert case["wire"] == [want] and case["comm_dtype"] == want, (rank, case["wire"])
+
+
+def test_seq_parallel_communication_data_type_chooses_the_gradients_wire(contract):
+    """``seq_parallel_communication_data_type: "bf16"`` on dp 2 x sp 2: the gradient
+    reductions run in bf16 (the default is fp32), and training still tracks the reference."""
+    for rank, got in enumerate(contract):
+        case = got["bf16_dp2xsp2_bf16_wire"]
+        assert "error" not in case, case.get("error")
+        assert case["wire"] == ["bfloat16"] and case["comm_dtype"] == "bfloat16", (rank, case)
+        assert case["loss_err"] < 2e-3, (rank, case["loss_err"])
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -214,3 +228,17 @@ def test_pretrained_weights_load_into_a_tensor_parallel_engine(contract, case):
         assert "error" not in result, result.get("error")
         assert result["names"] and result["err"] == 0.0, (rank, result)
         assert result["loss_err"] < 1e-5, (rank, result)
+
+
+def test_deepspeeds_clip_grad_norm_with_mpu_measures_the_whole_model(contract):
+    """``deepspeed.runtime.utils.clip_grad_norm_(params, max, mpu=engine.mpu)`` on dp 2 x tp 2:
+    the 2-norm and the inf-norm are the unsplit model's on the global batch (split slices add
+    up over the tensor-parallel group, replicated parameters count once), and clipping to
+    0.25 leaves a norm of 0.25."""
+    for rank, got in enumerate(contract):
+        case = got["clip_with_mpu"]
+        assert "error" not in case, case.get("error")
+        assert 0 < case["split"] < case["params"], case
+        for kind, want in case["want"].items():
+            assert abs(case["got"][kind] - want) < 1e-5 * max(1.0, want), (rank, kind, case)
+        assert abs(case["after"] - 0.25) < 1e-5, (rank, case)

@@ -142,9 +142,11 @@ class DeepSpeedEngineAPI:
         """``memory_breakdown``."""
         return bool(self.config.memory_breakdown)
 
+    @property
     def communication_data_type(self) -> torch.dtype:
-        """The dtype gradients are reduced in (``communication_data_type``)."""
-        return self.config.comm_dtype()
+        """The dtype gradients are reduced in (``communication_data_type``, or with sequence
+        parallelism ``seq_parallel_communication_data_type``); a property, as DeepSpeed's."""
+        return self.config.comm_dtype(self.mesh.sp.size() > 1)
 
     def postscale_gradients(self) -> bool:
         """True unless ``prescale_gradients``: gradients are divided after the sum."""

@@ -337,7 +337,6 @@ PLANNED_CASES = {
     "checkpoint.parallel_write.pipeline_stage": True,
     "checkpoint.writer": {"type": "fast"},
     "optimizer.legacy_fusion": True,
-    "seq_parallel_communication_data_type": "bf16",
     "use_data_before_expert_parallelism": True,
     "expert_parallel": {"enabled": True},
     "hybrid_engine": {"enabled": True},
@@ -640,6 +639,18 @@ def test_case_insensitive_choices():
     assert cfg.comm_dtype() == torch.bfloat16
     assert cfg.checkpoint.tag_validation == "Fail"
     assert load({"fp16": {"enabled": True}}).comm_dtype() == torch.float16
+
+
+def test_sequence_parallelism_reduces_gradients_in_its_own_dtype():
+    """As DeepSpeed: with more than one rank per sequence, ``seq_parallel_communication_data_type``
+    (fp32 by default) replaces ``communication_data_type`` and the precision mode's dtype."""
+    bf16 = {"bf16": {"enabled": True}, "communication_data_type": "fp16"}
+    assert load(bf16).comm_dtype() == torch.float16
+    assert load(bf16).comm_dtype(sequence_parallel=True) == torch.float32
+    chosen = load({**bf16, "seq_parallel_communication_data_type": "BF16"})
+    assert chosen.seq_parallel_communication_data_type == "bf16"
+    assert chosen.comm_dtype(sequence_parallel=True) == torch.bfloat16
+    assert chosen.comm_dtype() == torch.float16
 
 
 @pytest.mark.parametrize("extra, key", [

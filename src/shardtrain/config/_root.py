@@ -85,7 +85,7 @@ class ShardConfig(_ConfigModel):
     communication_data_type: Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(_lower)] = Field(
         None, description="gradient communication dtype; null = the precision mode's")
     seq_parallel_communication_data_type: Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_lower)] = Field(
-        "fp32", description="sequence-parallel gradient communication dtype")
+        "fp32", description="gradient communication dtype with sequence parallelism (replaces communication_data_type)")
     zero_allow_untested_optimizer: _Bool = Field(False, description="allow optimizers outside DeepSpeed's ZeRO list")
     zero_force_ds_cpu_optimizer: _Bool = Field(True, description="with ZeRO-Offload, require a DeepSpeed CPU optimizer")
     dataloader_drop_last: _Bool = Field(False, description="drop the last incomplete batch of the built dataloader")
@@ -219,8 +219,13 @@ class ShardConfig(_ConfigModel):
         """The resolved config as plain JSON data; ``load_config`` accepts it back unchanged."""
         return self.model_dump(mode="json", by_alias=True)
 
-    def comm_dtype(self) -> torch.dtype:
-        """The dtype gradients are communicated in: ``communication_data_type``, else the precision mode's."""
+    def comm_dtype(self, sequence_parallel: bool = False) -> torch.dtype:
+        """The dtype gradients are communicated in: with ``sequence_parallel`` (more than one
+        rank per sequence), ``seq_parallel_communication_data_type`` (fp32 by default: the
+        sum runs over every slice of every sequence); else ``communication_data_type``, else
+        the precision mode's."""
+        if sequence_parallel:
+            return _DTYPES[self.seq_parallel_communication_data_type]
         if self.communication_data_type is not None:
             return _DTYPES[self.communication_data_type]
         if self.fp16.enabled:

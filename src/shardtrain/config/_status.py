@@ -50,7 +50,6 @@ PLANNED: Dict[str, str] = {
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
     "checkpoint.writer": "the fast/decoupled checkpoint writers",
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer path",
-    "seq_parallel_communication_data_type": "sequence parallelism",
     "use_data_before_expert_parallelism": "mixture-of-experts group topology",
     "expert_parallel": "expert parallelism",
     "hybrid_engine": "the hybrid (RLHF) engine",
