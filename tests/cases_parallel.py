@@ -110,6 +110,9 @@ def train(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: int,
     out = {"losses": losses, "seen": seen, "shapes": shapes, "weights": weights,
            "coordinate": engine.mesh.coordinate(), "dp": engine.dp_world_size,
            "norm": engine.get_global_grad_norm(), "wire": sorted(wire),
+           "sizes": {name: getattr(engine, name) for name in (
+               "world_size", "dp_world_size", "mp_world_size", "sequence_parallel_size",
+               "seq_dp_world_size")},
            "comm_dtype": str(engine.communication_data_type).replace("torch.", "")}
     engine.destroy()
     return out
@@ -167,7 +170,7 @@ def compare(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any], steps: in
             "norm_err": abs(got["norm"] - ref["norm"]), "shapes": got["shapes"],
             "replicas": len(replicas), "dp": got["dp"], "moved": _moved(ref["weights"], build),
             "norms": (got["norm"], ref["norm"]), "worst": worst, "wire": got["wire"],
-            "comm_dtype": got["comm_dtype"]}
+            "comm_dtype": got["comm_dtype"], "sizes": got["sizes"]}
 
 
 def _moved(weights: Dict[str, torch.Tensor], build: Callable[[], torch.nn.Module]) -> float:

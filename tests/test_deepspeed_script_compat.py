@@ -280,13 +280,15 @@ API: List[Api] = [
     Api("checkpointing.checkpoint", "supported", "on `torch.utils.checkpoint`; every ZeRO stage"),
     Api("checkpointing.configure", "supported",
         "`checkpoint_in_cpu`, `synchronize`; `partition_activations`, `contiguous_checkpointing`, "
-        "`num_checkpoints`, `profile` accepted with no effect (no model parallelism)"),
+        "`num_checkpoints`, `profile` accepted with no effect (saved inputs stay whole on each "
+        "tensor-parallel rank)"),
     Api("checkpointing.is_configured", "supported", ""),
     Api("checkpointing.reset", "supported", ""),
     Api("checkpointing.get_cuda_rng_tracker", "not provided",
-        "model-parallel RNG tracking; shardtrain has no model parallelism"),
+        "Megatron's per-rank RNG streams for hand-written model-parallel layers; AutoTP's "
+        "ranks share one seed"),
     Api("checkpointing.model_parallel_cuda_manual_seed", "not provided",
-        "model-parallel RNG tracking; shardtrain has no model parallelism"),
+        "as `get_cuda_rng_tracker`: seed with `torch.manual_seed`"),
     Api("comm", "supported", "`deepspeed.comm`: DeepSpeed's functions and signatures, passed to "
         "`torch.distributed` on the group given (None: the world)"),
     Api("comm.init_distributed", "supported", "as `init_distributed`"),
@@ -395,12 +397,15 @@ API: List[Api] = [
     Api("Engine.skipped_steps", "supported", ""),
     Api("Engine.global_rank", "supported", ""),
     Api("Engine.local_rank", "supported", ""),
-    Api("Engine.world_size", "supported", "the data-parallel world size"),
+    Api("Engine.world_size", "supported", "every rank of the job (data x sequence x tensor parallel)"),
     Api("Engine.device", "supported", ""),
     Api("Engine.config", "differs", "a typed `ShardConfig` that also reads as the config dict "
         "(`engine.config.get(\"zero_optimization\", {})`, `engine.config[\"train_batch_size\"]`)"),
-    Api("Engine.dp_world_size", "supported", "the data-parallel size (= `world_size`)"),
-    Api("Engine.mp_world_size", "planned", "always 1: no model parallelism"),
+    Api("Engine.dp_world_size", "supported", "the ranks that read different samples: `world_size` "
+        "divided by the tensor- and sequence-parallel sizes"),
+    Api("Engine.mp_world_size", "supported", "the tensor-parallel size"),
+    Api("Engine.sequence_parallel_size", "supported", ""),
+    Api("Engine.seq_dp_world_size", "supported", "data- x sequence-parallel ranks (ZeRO's group)"),
     Api("Engine.monitor", "supported",
         "`write_events([(name, value, global_samples)])` and `enabled`, as DeepSpeed's monitor; the "
         "monitors come from the config (also `summary()` and `close()`)"),

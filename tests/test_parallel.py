@@ -211,11 +211,13 @@ def test_seq_parallel_communication_data_type_chooses_the_gradients_wire(contrac
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tensor_and_sequence_parallel_together_train_exactly(contract, stage):
     """tp 2 x sp 2 on 4 ranks: AutoTP splits the heads, Ulysses exchanges each rank's share
-    of them over the sequence-parallel group."""
+    of them over the sequence-parallel group. The engine's size attributes are DeepSpeed's."""
     _check(contract, f"tp2xsp2_stage{stage}")
     for got in contract:
         case = got[f"tp2xsp2_stage{stage}"]
         assert case["dp"] == 1 and all(shape == (2, 8) for shape in case["shapes"])
+        assert case["sizes"] == {"world_size": 4, "dp_world_size": 1, "mp_world_size": 2,
+                                 "sequence_parallel_size": 2, "seq_dp_world_size": 2}
 
 
 @pytest.mark.parametrize("case", ["dp2xtp2_1", "dp2xtp2_3", "tp4_2"])

@@ -178,6 +178,22 @@ class DeepSpeedEngineAPI:
         return self.mesh.sp.size()
 
     @property
+    def mp_world_size(self) -> int:
+        """DeepSpeed's attribute: ranks each layer is split over (tensor parallelism)."""
+        return self.mesh.tp.size()
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """DeepSpeed's attribute: ranks each sequence is split over (Ulysses)."""
+        return self.mesh.sp.size()
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """DeepSpeed's attribute: data- x sequence-parallel ranks, the group gradients are
+        averaged and ZeRO shards over."""
+        return self.mesh.zero.size()
+
+    @property
     def tput_timer(self) -> ThroughputTimer:
         """DeepSpeed's throughput timer: samples per second since it started."""
         timer = self.__dict__.get("_tput_timer")

@@ -15,10 +15,11 @@ Example:
 
 Config keys: ``cpu_checkpointing`` keeps the region's saved inputs in host memory until
 backward; ``synchronize_checkpoint_boundary`` synchronises the device around each region
-(for timing). ``partition_activations`` (which shards saved inputs across model-parallel
+(for timing). ``partition_activations`` (which shards saved inputs across tensor-parallel
 ranks), ``contiguous_memory_optimization``, ``number_checkpoints`` and ``profile`` are
-accepted and change nothing here: shardtrain has no model parallelism, and regions show in
-``torch.profiler`` traces as ``shardtrain.checkpoint`` ranges.
+accepted and change nothing here: saved inputs stay whole on each tensor-parallel rank, the
+caching allocator reuses checkpoint memory, and regions show in ``torch.profiler`` traces as
+``shardtrain.checkpoint`` ranges.
 """
 from __future__ import annotations
 
