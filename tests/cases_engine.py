@@ -437,6 +437,36 @@ def case_comm_dtype(rank, world):
     return out
 
 
+@case
+def case_grad_accum_fp32(rank, world):
+    """bf16 gradients of 4 micro-steps, reduced in fp32, accumulated in fp32
+    (``data_types.grad_accum_dtype``) and in bf16 (the default): the global norm of each
+    against the fp32 sum of the same bf16 micro-step gradients, then a few steps' losses."""
+    gas, micro = 4, 3
+    data = make_data(2, gas, world, micro)
+    x, y = data
+    base = dict(micro=micro, gas=gas, bf16={"enabled": True}, communication_data_type="fp32",
+                gradient_clipping=1e9)
+    model = make_model().to(torch.bfloat16)
+    total = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    for k in range(gas):  # the first global batch, micro-step by micro-step, rank by rank
+        for r in range(world):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[0, k, r].to(torch.bfloat16)).float(), y[0, k, r]).backward()
+            for n, p in model.named_parameters():
+                total[n] += p.grad.float()
+    want = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(t / (gas * world)) for t in total.values()])).item()
+    out = {"want": want}
+    for name, extra in (("fp32", {"data_types": {"grad_accum_dtype": "fp32"}}), ("bf16", {})):
+        engine = engine_for(make_model(), base_config(**base, **extra))
+        got = train(engine, data, rank)
+        out[name] = {"norm": got["norms"][0], "losses": got["losses"], "params": got["params"],
+                     "bytes": engine.model_state_bytes()}
+        engine.destroy()
+    return out
+
+
 @contextlib.contextmanager
 def captured_warnings():
     """The warnings the shardtrain logger prints inside the block (a list of messages)."""

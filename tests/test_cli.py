@@ -342,6 +342,23 @@ def test_estimate_reads_the_mesh_and_rules_from_a_config(capsys, tmp_path):
     assert report["mesh"]["parameters_per_rank"] == TINY_PARAMS - mlp + mlp // 4
 
 
+def test_estimate_counts_fp32_gradients_of_grad_accum_dtype(capsys, tmp_path):
+    """``data_types.grad_accum_dtype: "fp32"`` (the config's, or the flag): bf16 parameters
+    with 4-byte gradients; a value the config would refuse is refused with the key."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"data_types": {"grad_accum_dtype": "float32"}}))
+    for argv in (("--config", str(config)), ("--grad-accum-dtype", "fp32")):
+        report = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4",
+                          "--persistence-threshold", "0", *argv)
+        assert report["grad_accum_dtype"] == "fp32"
+        for row in report["stages"]:
+            want = zero_formula_bytes(TINY_PARAMS, 4, row["stage"], 2, 4, 12)
+            assert row["total"] == pytest.approx(want, abs=1)
+    config.write_text(json.dumps({"data_types": {"grad_accum_dtype": "int8"}}))
+    line = usage_error(capsys, "estimate", "--model", f"{MODELS}:gpt_tiny", "--config", str(config))
+    assert "data_types.grad_accum_dtype 'int8'" in line and "'fp32'" in line
+
+
 def test_estimate_table_names_the_mesh(capsys):
     out = run_cli(capsys, "estimate", "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
                   "--nproc", "4", "--tensor-parallel", "2")

@@ -280,6 +280,24 @@ def test_communication_data_type(run):
     assert_close_params(got["params"], ref["params"], atol=3e-2, rtol=3e-2)
 
 
+def test_grad_accum_dtype_fp32_sums_the_micro_steps_exactly(run):
+    """bf16 gradients of 4 micro-steps, reduced in fp32: accumulated in fp32
+    (``data_types.grad_accum_dtype``) the global norm is the fp32 sum's to the last bits;
+    accumulated in bf16 (the default) it is off by bf16's rounding. The fp32 buffers hold
+    twice the gradient bytes, and the replicas stay equal."""
+    world = run[0]
+    for rank in range(world):
+        got = result(run, "grad_accum_fp32", rank)
+        want = got["want"]
+        assert abs(got["fp32"]["norm"] - want) <= 1e-6 * want, (rank, got["fp32"]["norm"], want)
+        assert abs(got["bf16"]["norm"] - want) > 1e-5 * want, (rank, got["bf16"]["norm"], want)
+        assert got["fp32"]["bytes"]["grads"] == 2 * got["bf16"]["bytes"]["grads"]
+    first = result(run, "grad_accum_fp32", 0)["fp32"]["params"]
+    for rank in range(1, world):
+        other = result(run, "grad_accum_fp32", rank)["fp32"]["params"]
+        assert all(torch.equal(first[k], other[k]) for k in first), rank
+
+
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_model_state_memory_follows_the_zero_formula(run, mode):
     """Each rank's parameters, gradients, optimizer states and master weights, within 10%

@@ -159,7 +159,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # sequence-parallel ones (a tensor-parallel rank's gradient is already its slice's whole).
         averaging = ReduceSettings(self.mesh.zero.size(), cfg.gradient_allreduce_op,
                                    cfg.prescale_gradients, cfg.gradient_predivide_factor,
-                                   cfg.comm_dtype(self.mesh.sp.size() > 1))
+                                   cfg.comm_dtype(self.mesh.sp.size() > 1),
+                                   cfg.data_types.grad_accum_dtype)
         return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
                               self.mesh.zero, self.mesh.tp if self.mesh.tp.size() > 1 else None)
 

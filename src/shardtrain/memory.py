@@ -62,13 +62,16 @@ class BytesPerParam:
     k_parts: str
 
 
-def bytes_per_param(dtype: str, optimizer: str) -> BytesPerParam:
+def bytes_per_param(dtype: str, optimizer: str, grad_accum_dtype: Optional[str] = None
+                    ) -> BytesPerParam:
     """The bytes per parameter of ``dtype`` ("fp32", "bf16", "fp16") parameters trained
-    with ``optimizer`` ("adam": two fp32 moments, "sgd": one momentum)."""
+    with ``optimizer`` ("adam": two fp32 moments, "sgd": one momentum); gradients are held in
+    ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; None: ``dtype``)."""
     states, what = {"adam": (8, "Adam moments 8"), "sgd": (4, "SGD momentum 4")}[optimizer]
+    grads = 4 if "fp32" in (dtype, grad_accum_dtype) else 2
     if dtype == "fp32":
-        return BytesPerParam(4, 4, states, what)
-    return BytesPerParam(2, 2, 4 + states, f"fp32 master 4 + {what}")
+        return BytesPerParam(4, grads, states, what)
+    return BytesPerParam(2, grads, 4 + states, f"fp32 master 4 + {what}")
 
 
 def estimate_model_states(trainable: int, frozen: int, persistent: int, world_size: int,

@@ -114,6 +114,20 @@ def test_reset_zeroes_and_attaches_views_that_backward_accumulates_into():
     assert not bucket.flags.any()
 
 
+def test_a_bucket_in_another_dtype_leaves_grad_to_autograd():
+    """fp32 accumulation of bf16 gradients: the views are fp32 and not the parameters'
+    ``.grad`` (which must be bf16); the bucket is marked not attached."""
+    params = shaped_params(torch.bfloat16)
+    bucket = FlatBucket(params, dtype=torch.float32)
+    assert not bucket.attached and bucket.buffer.dtype == torch.float32
+    assert [v.shape for v in bucket.views] == [p.shape for p in params]
+    p0 = params[0]
+    p0.grad = torch.ones_like(p0)
+    bucket.reset()
+    assert all(p.grad is None for p in params) and not bucket.buffer.any()
+    assert FlatBucket(params, dtype=torch.bfloat16).attached
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("used", [[True] * 3, [True, False, True], [False] * 3, [False, False, True]])
 def test_write_flags_writes_the_used_list(dtype, used):

@@ -328,7 +328,6 @@ PLANNED_CASES = {
     "fp16.fp16_master_weights_and_grads": True,
     "bf16.bf16_master_weights_and_grads": True,
     "bf16.bf16_optimizer_states": True,
-    "data_types.grad_accum_dtype": "fp32",
     "data_types.buffer_dtype": "bf16",
     "data_types.keep_in_fp32_modules": ["lm_head"],
     "comet.enabled": True,
@@ -607,6 +606,17 @@ def test_fp16_validation(fp16, key):
 
 def test_fp16_window_unchecked_with_a_static_scale():
     assert load({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}}).fp16.loss_scale == 128.0
+
+
+def test_grad_accum_dtype_is_the_models_or_fp32():
+    cfg = load({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert cfg.data_types.grad_accum_dtype is torch.float32
+    assert load({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}
+                ).data_types.grad_accum_dtype is torch.float16
+    message = error_of({"data_types": {"grad_accum_dtype": "bf16"}})
+    assert "data_types.grad_accum_dtype" in message and '"fp32"' in message
+    assert "data_types.grad_accum_dtype" in error_of(
+        {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}})
 
 
 def test_param_dtype_must_match_the_mode():

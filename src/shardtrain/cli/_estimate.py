@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -64,6 +64,9 @@ def add_parser(commands) -> None:
                      help="nodes (default: 1); ranks = nproc x nnodes")
     est.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                      help="parameter and gradient format (default: bf16, with fp32 masters)")
+    est.add_argument("--grad-accum-dtype", choices=("fp32",), default=None,
+                     help="gradients accumulate in fp32 (data_types.grad_accum_dtype; "
+                          "default: the config's, or --dtype)")
     est.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                      help="adam (two moments) or sgd (with momentum) (default: adam)")
     est.add_argument("--persistence-threshold", type=_non_negative_int,
@@ -106,9 +109,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         trainable=sum(local[id(p)] for p in params if p.requires_grad),
         persistent=sum(local[id(p)] for p in params if local[id(p)] <= args.persistence_threshold),
         frozen=sum(local[id(p)] for p in params if not p.requires_grad))
-    report = _estimate(counts, nproc, args.nnodes, bytes_per_param(args.dtype, args.optimizer),
-                       mesh)
+    accum = args.grad_accum_dtype or _grad_accum_of(args.config)
+    report = _estimate(counts, nproc, args.nnodes,
+                       bytes_per_param(args.dtype, args.optimizer, accum), mesh)
     report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
+                  grad_accum_dtype=accum or args.dtype,
                   persistence_threshold=args.persistence_threshold,
                   trainable_parameters=sum(p.numel() for p in params if p.requires_grad))
     print(json.dumps(report, indent=2) if args.json else _estimate_table(report))
@@ -155,6 +160,19 @@ def _mesh(args: argparse.Namespace, world: int) -> _Mesh:
     block["autotp_size"] = tp
     block.pop("tp", None)
     return _Mesh(tp, sp, dp, block)
+
+
+def _grad_accum_of(path: Optional[str]) -> Optional[str]:
+    """The config's ``data_types.grad_accum_dtype`` when it is fp32 (else None)."""
+    from ..config import DataTypesConfig
+    block = (_read_config(path) if path else {}).get("data_types") or {}
+    try:
+        accum = DataTypesConfig.model_validate(block).grad_accum_dtype
+    except ValueError as err:  # pydantic's ValidationError, and ConfigError
+        why = err.errors()[0]["msg"].removeprefix("Value error, ") if hasattr(err, "errors") else str(err)
+        raise _UsageError(f"--config {path}: data_types.grad_accum_dtype "
+                          f"{block.get('grad_accum_dtype')!r}: {why}") from None
+    return "fp32" if accum == torch.float32 else None
 
 
 def _read_config(path: str) -> Dict[str, Any]:
@@ -285,7 +303,8 @@ def _estimate_table(r: Dict[str, Any]) -> str:
         f"  {r['parameters']:,} parameters ({r['trainable_parameters']:,} trainable; tied "
         f"weights counted once)",
         f"  {r['world_size']} ranks = {_plural(r['nnodes'], 'node')} x "
-        f"{_plural(r['nproc'], 'process', 'processes')}; {r['dtype']} with {r['optimizer']}",
+        f"{_plural(r['nproc'], 'process', 'processes')}; {r['dtype']} with {r['optimizer']}"
+        + (f", gradients accumulated in {r['grad_accum_dtype']}" if r["grad_accum_dtype"] != r["dtype"] else ""),
         *_mesh_lines(r),
         f"  bytes per parameter: p = {b['params']} (parameter), g = {b['grads']} (gradient), "
         f"K = {b['optimizer']} ({b['optimizer_parts']})",

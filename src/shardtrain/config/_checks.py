@@ -39,12 +39,15 @@ def _check_combinations(cfg: "ShardConfig") -> None:
             raise ConfigError(f"gradient_allreduce_op \"sum\" cannot be used with {users[0]}; set "
                               "gradient_allreduce_op to \"mean\" (the default).")
     _check_nonfinite(cfg)
+    mode = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
     param_dtype = cfg.data_types.param_dtype
-    if param_dtype is not None:
-        mode = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
-        if param_dtype != mode:
-            raise ConfigError(f"data_types.param_dtype {_show(param_dtype)} does not match the precision mode "
-                              f"({_show(mode)}); remove it or make it {_show(mode)}.")
+    if param_dtype is not None and param_dtype != mode:
+        raise ConfigError(f"data_types.param_dtype {_show(param_dtype)} does not match the precision mode "
+                          f"({_show(mode)}); remove it or make it {_show(mode)}.")
+    accum = cfg.data_types.grad_accum_dtype
+    if accum not in (None, mode, torch.float32):
+        raise ConfigError(f"data_types.grad_accum_dtype {_show(accum)}: gradients accumulate in the model's "
+                          f"dtype ({_show(mode)}) or in fp32; set it to \"fp32\" or remove it.")
 
 
 def _check_nonfinite(cfg: "ShardConfig") -> None:

@@ -40,7 +40,6 @@ PLANNED: Dict[str, str] = {
     "fp16.fp16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
-    "data_types.grad_accum_dtype": "gradient accumulation in a dtype other than the model's",
     "data_types.buffer_dtype": "casting module buffers to a given dtype",
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
     "comet.enabled": "the Comet monitor (meanwhile, log to wandb, mlflow, tensorboard, csv_monitor "
@@ -97,8 +96,8 @@ NO_EFFECT: Dict[str, str] = {
         "stage 3 frees after forward (false, as the Transformers guide sets it, asks for that)",
     "bf16.immediate_grad_update":
         "times the copy of gradients into DeepSpeed's fp32 accumulation buffers; shardtrain "
-        "accumulates in the model dtype (data_types.grad_accum_dtype is planned), with no such "
-        "copy to move",
+        "adds each gradient into its buffer as soon as autograd produces it (with "
+        "data_types.grad_accum_dtype \"fp32\"), so there is no copy to move",
     "checkpoint.use_node_local_storage":
         "on one machine every rank sees the same directory; on several machines true is "
         "refused at start-up (put save_dir on storage every node sees)",

@@ -6,7 +6,7 @@ per parameter. Collectives move whole buckets, never one parameter at a time.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -42,15 +42,20 @@ class FlatBucket:
     optimizer leaves it alone, exactly as single-process training would.
 
     With ``flat=False`` the bucket only tracks readiness (stage 2 keeps no full gradients).
+    With a ``dtype`` other than the parameters' (fp32 accumulation of 16-bit gradients), the
+    views cannot be ``.grad``: the bucket is not ``attached`` and each backward's gradient is
+    added into it.
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], flat: bool = True):
+    def __init__(self, params: List[torch.nn.Parameter], flat: bool = True,
+                 dtype: Optional[torch.dtype] = None):
         self.params = params
         self.numel = sum(full_numel(p) for p in params)
         self.views: List[torch.Tensor] = []
         self.buffer = self.grads = self.flags = None
+        self.attached = dtype in (None, params[0].dtype)
         if flat:
-            self.buffer = torch.zeros(self.numel + len(params), dtype=params[0].dtype,
+            self.buffer = torch.zeros(self.numel + len(params), dtype=dtype or params[0].dtype,
                                       device=params[0].device)
             self.grads = self.buffer[: self.numel]
             self.flags = self.buffer[self.numel:]
@@ -66,7 +71,7 @@ class FlatBucket:
         """Zeroes the buffer and re-attaches every view as its parameter's gradient."""
         self.buffer.zero_()
         for p, view in zip(self.params, self.views):
-            p.grad = view
+            p.grad = view if self.attached else None
         self.used = [False] * len(self.params)
         self.arrived = 0
         self.launched = False

@@ -40,15 +40,19 @@ Grads = List[Optional[torch.Tensor]]
 
 
 class ReduceSettings:
-    """How a summed gradient becomes an average (DeepSpeed's prescale/predivide rules)."""
+    """How a summed gradient becomes an average (DeepSpeed's prescale/predivide rules), the
+    dtype it travels in (``comm_dtype``) and the dtype micro-steps accumulate in between
+    optimizer steps (``accum_dtype``; None: the parameters')."""
 
     def __init__(self, world_size: int, op: str = "mean", prescale: bool = False,
-                 predivide_factor: float = 1.0, comm_dtype: Optional[torch.dtype] = None):
+                 predivide_factor: float = 1.0, comm_dtype: Optional[torch.dtype] = None,
+                 accum_dtype: Optional[torch.dtype] = None):
         self.world_size = world_size
         self.op = op
         self.prescale = prescale
         self.predivide_factor = predivide_factor
         self.comm_dtype = comm_dtype
+        self.accum_dtype = accum_dtype
 
     def pre_factor(self) -> float:
         if self.op != "mean":
@@ -155,7 +159,9 @@ class AllReduceExchange:
                     p.grad = None
 
     def grads(self, bucket: FlatBucket) -> Grads:
-        return [p.grad for p in bucket.params]
+        if bucket.attached:
+            return [p.grad for p in bucket.params]
+        return [view if used else None for view, used in zip(bucket.views, (bucket.flags > 0).tolist())]
 
     def reset(self) -> None:
         """Nothing is kept between steps."""
@@ -238,7 +244,13 @@ class FullGrads:
     def on_grad(self, param: torch.nn.Parameter) -> None:
         bucket, index = self.queue.locate(param)
         view = bucket.views[index]
-        if param.grad.data_ptr() != view.data_ptr():
+        if not bucket.attached:
+            # Accumulating in another dtype (data_types.grad_accum_dtype): this backward's
+            # gradient is added in, and the parameter's own is dropped.
+            _check_not_reduced(bucket)
+            view.add_(param.grad)
+            param.grad = None
+        elif param.grad.data_ptr() != view.data_ptr():
             # The gradient was replaced (zero_grad(set_to_none=True) by the user, say): what
             # autograd produced is the whole accumulated gradient now.
             view.copy_(param.grad)
@@ -339,7 +351,7 @@ class ShardedGrads:
         self.queue = _BucketQueue(buckets)  # readiness only: flat=False, no gradient storage
         self.rows = rows
         # One accumulator row per bucket: this rank's gradient slices, then summed flags.
-        self.shards = {id(b): torch.zeros(self.rows.row(b), dtype=b.params[0].dtype,
+        self.shards = {id(b): torch.zeros(self.rows.row(b), dtype=settings.accum_dtype or b.params[0].dtype,
                                           device=b.params[0].device) for b in self.queue.buckets}
         self._used_everywhere = {id(b): True for b in self.queue.buckets}
         self.zero()

@@ -269,7 +269,7 @@ def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], ze
     config) for the trainable ``params`` of ``module`` on the data-parallel ``group``
     (``tp``: the tensor-parallel group, when the model's layers are split over one)."""
     units = partition_model(module, group, zero) if zero.stage == 3 else None
-    buckets = [FlatBucket(group, flat=zero.stage < 2)
+    buckets = [FlatBucket(group, flat=zero.stage < 2, dtype=settings.accum_dtype)
                for group in split_into_buckets(params, int(zero.reduce_bucket_size))]
     overlap = bool(zero.overlap_comm)
     if zero.stage == 0:
