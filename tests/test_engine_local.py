@@ -136,3 +136,29 @@ def test_set_train_batch_size_and_get_mom():
     with pytest.raises(ValueError, match="multiple of"):
         engine.set_train_batch_size(5)
     assert engine.get_mom() == [(0.8, 0.9)] and engine.dp_world_size == 1
+
+
+@pytest.mark.parametrize("buffer_dtype", [None, "bf16"])
+def test_bf16_casts_buffers_only_with_buffer_dtype(buffer_dtype):
+    """As DeepSpeed: bf16 casts the parameters; floating buffers (BatchNorm's running
+    statistics) keep fp32 unless ``data_types.buffer_dtype`` names a dtype; integer buffers
+    never change. (BatchNorm needs its statistics in its weights' dtype: with bf16 it trains
+    once ``buffer_dtype`` is bf16.)"""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    config = {**CONFIG, "bf16": {"enabled": True}}
+    if buffer_dtype:
+        config["data_types"] = {"buffer_dtype": buffer_dtype}
+    engine, *_ = shardtrain.initialize(model=net, config=config)
+    norm = engine.module[1]
+    assert norm.weight.dtype == torch.bfloat16
+    want = torch.bfloat16 if buffer_dtype else torch.float32
+    assert norm.running_mean.dtype == norm.running_var.dtype == want
+    assert norm.num_batches_tracked.dtype == torch.int64
+    if not buffer_dtype:
+        engine.destroy()
+        return
+    before = norm.running_mean.clone()
+    step(engine, 2)
+    assert norm.running_mean.dtype == want and not torch.equal(norm.running_mean, before)
+    engine.destroy()

@@ -112,12 +112,17 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def _build_module(self) -> None:
         self.module.to(self.device)
-        if self._precision.master_weights:
-            # Only parameters change dtype; buffers (e.g. norm statistics) keep theirs.
-            with torch.no_grad():
+        with torch.no_grad():
+            if self._precision.master_weights:
+                # Only parameters change dtype; buffers (e.g. norm statistics) keep theirs
+                # unless data_types.buffer_dtype names one.
                 for p in self.module.parameters():
                     if p.is_floating_point():
                         p.data = p.data.to(self._precision.param_dtype)
+            buffer_dtype = self.config.data_types.buffer_dtype
+            for b in self.module.buffers() if buffer_dtype is not None else ():
+                if b.is_floating_point():
+                    b.data = b.data.to(buffer_dtype)
         # Replicas must start identical; rank 0's initialisation wins.
         comm.broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()))
 

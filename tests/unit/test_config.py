@@ -328,7 +328,6 @@ PLANNED_CASES = {
     "fp16.fp16_master_weights_and_grads": True,
     "bf16.bf16_master_weights_and_grads": True,
     "bf16.bf16_optimizer_states": True,
-    "data_types.buffer_dtype": "bf16",
     "data_types.keep_in_fp32_modules": ["lm_head"],
     "comet.enabled": True,
     "comms_logger.enabled": True,

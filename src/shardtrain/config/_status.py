@@ -40,7 +40,6 @@ PLANNED: Dict[str, str] = {
     "fp16.fp16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
-    "data_types.buffer_dtype": "casting module buffers to a given dtype",
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
     "comet.enabled": "the Comet monitor (meanwhile, log to wandb, mlflow, tensorboard, csv_monitor "
                      "or jsonl_monitor)",
