@@ -308,7 +308,9 @@ API: List[Api] = [
     Api("comm.send", "supported", "and `recv`, `isend`, `irecv`"),
     Api("comm.new_group", "supported", "torch's `new_group`"),
     Api("comm.ReduceOp", "supported", "torch's `ReduceOp`"),
-    Api("comm.log_summary", "differs", "no communication log is kept: logs a debug line"),
+    Api("comm.log_summary", "supported",
+        "`log_summary(show_straggler=False, return_dict=False)`: rank 0 logs the table of the "
+        "`comms_logger` log (bandwidths in GB/s, as nccl-tests); also `configure` and `reset_log`"),
     Api("accelerator.get_accelerator", "supported",
         "an object with DeepSpeed's accelerator methods for the device the engine uses: "
         "`device_name`, `current_device_name`, `set_device`, `device_count`, `is_available`, "

@@ -23,9 +23,9 @@ Example:
 """
 from __future__ import annotations
 
-from ._diagnose import (CHECK_MODES, CollectiveError, DivergenceError, check_agreement,
-                        check_mode, keep_trail, labelled, mark, set_check, set_position, trail,
-                        trail_dir)
+from ._diagnose import (CHECK_MODES, CollectiveError, CollectiveTiming, DivergenceError,
+                        check_agreement, check_mode, keep_trail, labelled, mark, set_check,
+                        set_position, time_collectives, trail, trail_dir)
 from ._groups import (MESH_DIMS, WORLD, Group, Mesh, SideGroup, init_mesh, set_timeout,
                       side_group, split_groups)
 from ._ops import (ReduceOp, Work, add_observer, all_gather, all_gather_object, all_reduce,
@@ -47,5 +47,5 @@ __all__ = [
     "trail", "trail_dir", "keep_trail", "CHECK_MODES", "check_mode", "flight_recorder_prefix",
     "FLIGHT_RECORDER_ENV",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
-    "before_destroy", "MESH_DIMS", "Mesh", "init_mesh",
+    "before_destroy", "MESH_DIMS", "Mesh", "init_mesh", "CollectiveTiming", "time_collectives",
 ]

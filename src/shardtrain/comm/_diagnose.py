@@ -92,14 +92,54 @@ def mark(event: str, label: str, group: Optional["Group"] = None) -> None:
                  _position() if _position is not None else "")
 
 
+class CollectiveTiming:
+    """What times collectives (:func:`time_collectives`): :meth:`start` when one is issued
+    returns a mark, :meth:`stop` when it has completed (an asynchronous one: when its
+    ``wait()`` returns) gets it back."""
+
+    def start(self, op: str) -> Optional[float]:
+        """A mark for ``op`` (None: this operation is not timed)."""
+        raise NotImplementedError
+
+    def stop(self, op: str, tensor: torch.Tensor, group: Optional["Group"], mark: float) -> None:
+        raise NotImplementedError
+
+
+_timing: Optional[CollectiveTiming] = None
+_pending: Dict[int, Tuple[str, torch.Tensor, Optional["Group"], float]] = {}
+
+
+def time_collectives(timing: Optional[CollectiveTiming]) -> None:
+    """Times every collective with a tensor from now on through ``timing`` (None: stop)."""
+    global _timing
+    _timing = timing
+    _pending.clear()
+
+
+def _completed(handle) -> None:
+    """An asynchronous collective's ``wait()`` returned: its timing stops."""
+    issued = _pending.pop(id(handle), None)
+    if issued is not None and _timing is not None:
+        _timing.stop(*issued)
+
+
 def _guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
-             call: Callable[[], object]):
+             call: Callable[[], object], timed: bool = True):
     """``call()``; a failure of torch's collective becomes a :class:`CollectiveError` that
-    says who and where."""
+    says who and where. With :func:`time_collectives` on, a collective with a tensor is timed
+    (``timed=False``: ``call`` waits for one already issued)."""
     global _in_collective
     _in_collective += 1
+    timing = _timing if timed and tensor is not None else None
+    mark = timing.start(op) if timing is not None else None
     try:
-        return call()
+        result = call()
+        if mark is not None:
+            if result is None:  # done: synchronous
+                timing.stop(op, tensor, group, mark)
+            else:  # issued: stops at its wait()
+                _pending[id(result)] = (op, tensor, group, mark)
+        return result
     except RuntimeError as err:  # torch's DistBackendError and gloo's timeouts included
         if isinstance(err, CollectiveError):
             raise

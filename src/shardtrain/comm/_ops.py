@@ -34,7 +34,8 @@ class Work:
     def wait(self) -> None:
         if self._handle is not None:
             handle, self._handle = self._handle, None
-            _guarded(self._op, self._group, self._tensor, handle.wait)
+            _guarded(self._op, self._group, self._tensor, handle.wait, timed=False)
+            _diagnose._completed(handle)
         if self._then is not None:
             then, self._then = self._then, None
             then()

@@ -113,7 +113,7 @@ class CometConfig(_ConfigModel):
 
 
 class CommsLoggerConfig(_ConfigModel):
-    """``comms_logger`` (planned)."""
+    """``comms_logger``: the communication log (:mod:`shardtrain.telemetry.comms`)."""
 
     config_path: ClassVar[str] = "comms_logger"
 

@@ -43,7 +43,6 @@ PLANNED: Dict[str, str] = {
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
     "comet.enabled": "the Comet monitor (meanwhile, log to wandb, mlflow, tensorboard, csv_monitor "
                      "or jsonl_monitor)",
-    "comms_logger.enabled": "the communication logger",
     "checkpoint.load_universal": "universal checkpoints",
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
     "checkpoint.writer": "the fast/decoupled checkpoint writers",

@@ -9,6 +9,8 @@ Every module holds one idea:
   ``wall_clock_breakdown``;
 * :mod:`~.flops`: :class:`FlopsProfiler` (FLOPs, parameters and latency per module) and
   :func:`peak_flops`, for model FLOPs utilisation;
+* :mod:`~.comms`: the communication log (``comms_logger``): every collective's latency and
+  bandwidth, by operation and message size;
 * :mod:`~.activation`: :class:`SavedTensorMeter` and :func:`measure_activation_memory`, the
   memory a micro-batch keeps for backward, on CUDA and on the CPU;
 * :mod:`~.watch`: :class:`StepWatch`, built by :func:`build_watch`: the one object the engine
@@ -18,7 +20,7 @@ Every module holds one idea:
   :func:`plot_run` draws them (``shardtrain plot``).
 
 The config keys that drive them (``jsonl_monitor``, ``csv_monitor``, ``tensorboard``,
-``wall_clock_breakdown``, ``memory_breakdown``, ``flops_profiler``) are described in
+``wall_clock_breakdown``, ``memory_breakdown``, ``flops_profiler``, ``comms_logger``) are described in
 ``docs/monitoring.md``. Nothing here imports the engine or the command line: the engine hands
 itself to :func:`build_watch`, and ``shardtrain plot`` lives in :mod:`shardtrain.cli`.
 

@@ -28,6 +28,7 @@ from ..log import log_dist, log_dist_once
 from ._flops_window import FlopsWindow
 from ._memory_probe import MemoryProbe
 from ._oom import OomReporter
+from . import comms
 from .flops import peak_flops
 from .monitors import build_monitors, monitoring
 from .timers import Timers
@@ -65,6 +66,9 @@ class StepWatch:
         self.memory = MemoryProbe(engine, self.tuning is not None and self.tuning.profile, budget) \
             if wants_memory else None
         self.oom = OomReporter(engine)
+        logged = cfg.comms_logger
+        if logged.enabled:  # process-wide, as DeepSpeed's: read by deepspeed.comm.log_summary()
+            comms.configure(True, logged.prof_all, logged.prof_ops, logged.verbose, logged.debug)
         self.micro_batch: Optional[int] = None  # the last forward's, for out-of-memory reports
         self.step_counters: Optional[Tuple[int, int]] = None  # (steps, micro-steps) at step_begin
         self.flops = self._build_flops(engine)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as _dist
 
 from ... import comm as _comm
+from ...telemetry import comms as _comms
 from ... import destroy as _destroy
 from ... import init_distributed
-from ...log import logger
 
 __all__ = [
     "ReduceOp", "init_distributed", "is_initialized", "is_available", "destroy_process_group",
@@ -105,8 +105,14 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
     return _dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
+def _logged(op: str, tensor: torch.Tensor, group, call):
+    """``call()``, timed into the communication log when it is on (``comms_logger``)."""
+    return _comms.timed(op, tensor, lambda: _dist.get_world_size(group), call)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, **_: Any):
-    return _dist.broadcast(tensor, src, group=group, async_op=async_op)
+    return _logged("broadcast", tensor, group,
+                   lambda: _dist.broadcast(tensor, src, group=group, async_op=async_op))
 
 
 def broadcast_object_list(object_list: List[Any], src: int, group=None, device=None):
@@ -120,7 +126,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     if group is None and (isinstance(op, str) or op == ReduceOp.AVG):
         work = _comm.all_reduce(tensor, op=op, async_op=async_op)
         return work if async_op else None
-    return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _logged("all_reduce", tensor, group,
+                   lambda: _dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def inference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None):
@@ -135,7 +142,8 @@ def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group=Non
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False,
            **_: Any):
-    return _dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+    return _logged("reduce", tensor, group,
+                   lambda: _dist.reduce(tensor, dst, op=op, group=group, async_op=async_op))
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -149,7 +157,8 @@ def all_gather_object(object_list: List[Any], obj: Any, group=None):
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None,
                            async_op: bool = False, **_: Any):
-    return _dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return _logged("all_gather", tensor, group, lambda: _dist.all_gather_into_tensor(
+        output_tensor, tensor, group=group, async_op=async_op))
 
 
 def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
@@ -171,8 +180,8 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                           op=ReduceOp.SUM, group=None, async_op: bool = False, **_: Any):
-    return _dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                       async_op=async_op)
+    return _logged("reduce_scatter", input_tensor, group, lambda: _dist.reduce_scatter_tensor(
+        output_tensor, input_tensor, op=op, group=group, async_op=async_op))
 
 
 def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM,
@@ -182,9 +191,9 @@ def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op=Redu
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None,
                       input_split_sizes=None, group=None, async_op: bool = False, **_: Any):
-    return _dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                   input_split_sizes=input_split_sizes, group=group,
-                                   async_op=async_op)
+    return _logged("all_to_all", tensor, group, lambda: _dist.all_to_all_single(
+        output, tensor, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+        group=group, async_op=async_op))
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
@@ -241,16 +250,32 @@ def has_coalescing_manager() -> bool:
 
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None,
               debug=None) -> None:
-    """DeepSpeed's communication logger settings: accepted; shardtrain's comms_logger config
-    block and ``torch.profiler`` cover what it logs."""
+    """Starts or stops the communication log (:mod:`shardtrain.telemetry.comms`): the
+    ``comms_logger`` block of ``deepspeed_config`` (a config dict or a loaded config), then
+    the arguments given."""
+    block: Any = {}
+    if deepspeed_config is not None:
+        block = deepspeed_config.get("comms_logger", {}) if isinstance(deepspeed_config, dict) \
+            else getattr(deepspeed_config, "comms_logger", {})
+    if not isinstance(block, dict):
+        block = block.model_dump()
+    given = {"enabled": enabled, "prof_all": prof_all, "prof_ops": prof_ops,
+             "verbose": verbose, "debug": debug}
+    settings = {**{"enabled": False, "prof_all": True, "prof_ops": [], "verbose": False,
+                   "debug": False}, **block, **{k: v for k, v in given.items() if v is not None}}
+    _comms.configure(bool(settings["enabled"]), bool(settings["prof_all"]),
+                     settings["prof_ops"] or (), bool(settings["verbose"]), bool(settings["debug"]))
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False):
-    """DeepSpeed prints its communication log here; shardtrain logs nothing of the kind."""
-    logger.debug("deepspeed.comm.log_summary(): no communication log is kept")
-    return {} if return_dict else None
+    """Logs the communication log's table on rank 0 (see :mod:`shardtrain.telemetry.comms`;
+    with ``show_straggler`` every rank must call it); with ``return_dict`` returns this
+    rank's summary."""
+    rows = _comms.log_summary(show_straggler)
+    return rows if return_dict else None
 
 
 def reset_log() -> None:
-    pass
+    """Forgets what the communication log recorded."""
+    _comms.reset()
 
