@@ -91,3 +91,51 @@ def train(engine, rank: int, world: int) -> Dict[str, Any]:
         micro.append(row)
         lrs.append(engine.get_lr()[0])
     return {"losses": means, "micro": micro, "lrs": lrs}
+
+
+def load_universal(rank: int, world_size: int, fixture: str, save_dir: str) -> Dict[str, Any]:
+    """``checkpoint.load_universal``: ``engine.load_checkpoint`` on DeepSpeed's universal
+    checkpoint directly (at stage 1, not the source's 2), then on the engine's own checkpoint
+    with the key still set, then on a damaged copy of the DeepSpeed one."""
+    import glob
+    import shutil
+    import tempfile
+
+    def engine_for():
+        model = tiny.make_model()
+        config = {**tiny.config(1, False, world_size), "checkpoint": {"load_universal": True}}
+        return shardtrain.initialize(model=model, config=config)[0]
+
+    def direct(r, w):
+        engine = engine_for()
+        path, _ = engine.load_checkpoint(fixture)
+        trained = train(engine, r, w)
+        engine.save_checkpoint(save_dir)
+        left = glob.glob(os.path.join(tempfile.gettempdir(), "shardtrain-universal-*"))
+        trained.update(path=path, left=left, steps=engine.global_steps)
+        engine.destroy()
+        return trained
+
+    def own(r, w):
+        engine = engine_for()
+        path, _ = engine.load_checkpoint(save_dir)
+        out = {"path": path, "steps": engine.global_steps}
+        engine.destroy()
+        return out
+
+    def damaged(r, w):
+        copy = os.path.join(save_dir, "damaged")
+        if r == 0:
+            shutil.copytree(fixture, copy)
+            shutil.rmtree(os.path.join(copy, "global_step4", "zero", "block.fc.weight"))
+        comm.barrier()
+        engine = engine_for()
+        try:
+            engine.load_checkpoint(copy)
+        except ValueError as err:
+            return {"message": str(err), "steps": engine.global_steps}
+        finally:
+            engine.destroy()
+        return {"message": None}
+
+    return run_cases({"direct": direct, "own": own, "damaged": damaged}, rank, world_size)

@@ -352,3 +352,36 @@ def test_usage_errors_exit_with_2(capsys):
         main(["import-deepspeed", "only-one-directory"])
     assert exit_info.value.code == 2
     assert "the following arguments are required: OUT_DIR" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory):
+    return 2, run_ranks("cases_import_deepspeed:load_universal", 2, timeout=180,
+                        fixture=str(FIXTURES / "universal-s2-fp32"),
+                        save_dir=str(tmp_path_factory.mktemp("universal-own")))
+
+
+def test_load_universal_resumes_deepspeeds_universal_checkpoint_directly(universal):
+    """``checkpoint.load_universal``: load_checkpoint on the DeepSpeed directory itself, at
+    another stage: DeepSpeed's continued losses, and the temporary copy is gone."""
+    want = EXPECTED["universal-s2-fp32"]["continued"]["losses"]
+    for rank in range(2):
+        got = result(universal, "direct", rank)
+        assert max(abs(a - b) for a, b in zip(got["losses"], want)) <= 1e-5, got["losses"]
+        assert got["path"] == str(FIXTURES / "universal-s2-fp32" / "global_step4")
+        assert got["left"] == []
+
+
+def test_load_universal_still_loads_the_engines_own_checkpoints(universal):
+    steps = result(universal, "direct")["steps"]
+    for rank in range(2):
+        got = result(universal, "own", rank)
+        assert got["steps"] == steps and got["path"].endswith(f"global_step{steps}")
+
+
+def test_load_universal_names_a_failed_conversion_on_every_rank(universal):
+    for rank in range(2):
+        got = result(universal, "damaged", rank)
+        assert got["message"] is not None and "load_universal: converting" in got["message"]
+        assert "block.fc.weight" in got["message"] and got["steps"] == 0
+

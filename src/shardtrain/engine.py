@@ -834,8 +834,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         engine is changed.
 
         Args:
-            load_dir: the ``save_dir`` of :meth:`save_checkpoint`.
-            tag: default: the tag named by ``<load_dir>/latest``.
+            load_dir: the ``save_dir`` of :meth:`save_checkpoint`; with the config's
+                ``checkpoint.load_universal``, also a DeepSpeed checkpoint (its universal form
+                or as DeepSpeed saved it), converted on the way
+                (:mod:`shardtrain.checkpoint._universal`).
+            tag: default: the tag named by ``<load_dir>/latest`` (DeepSpeed's:
+                ``latest_universal``, else ``latest``).
             load_module_strict: refuse parameter or buffer names that only one side has.
             load_optimizer_states: also restore optimizer states, fp32 masters and the loss
                 scale (otherwise masters are rebuilt from the loaded weights).
@@ -854,9 +858,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
-        return _ckpt.load_checkpoint(self, load_dir, tag, load_module_strict,
-                                     load_optimizer_states, load_lr_scheduler_states,
-                                     load_module_only)
+        load = _ckpt.load_universal if self.config.checkpoint.load_universal else _ckpt.load_checkpoint
+        return load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                    load_lr_scheduler_states, load_module_only)
 
 
 def _apply_logging_keys(config: ShardConfig) -> None:

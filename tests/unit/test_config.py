@@ -330,7 +330,6 @@ PLANNED_CASES = {
     "bf16.bf16_optimizer_states": True,
     "data_types.keep_in_fp32_modules": ["lm_head"],
     "comet.enabled": True,
-    "checkpoint.load_universal": True,
     "checkpoint.parallel_write.pipeline_stage": True,
     "checkpoint.writer": {"type": "fast"},
     "optimizer.legacy_fusion": True,

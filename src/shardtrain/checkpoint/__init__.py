@@ -65,6 +65,8 @@ from ._format import FORMAT_VERSION
 from ._import import import_deepspeed
 from ._loading import load_checkpoint
 from ._saving import save_checkpoint
+from ._universal import load_universal
 
 __all__ = ["consolidate", "full_weights", "export_pretrained", "save_checkpoint",
-           "load_checkpoint", "import_deepspeed", "FORMAT_VERSION", "wait_for_checkpoint"]
+           "load_checkpoint", "import_deepspeed", "FORMAT_VERSION", "wait_for_checkpoint",
+           "load_universal"]

@@ -43,7 +43,6 @@ PLANNED: Dict[str, str] = {
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
     "comet.enabled": "the Comet monitor (meanwhile, log to wandb, mlflow, tensorboard, csv_monitor "
                      "or jsonl_monitor)",
-    "checkpoint.load_universal": "universal checkpoints",
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
     "checkpoint.writer": "the fast/decoupled checkpoint writers",
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer path",

@@ -1,0 +1,107 @@
+"""``checkpoint.load_universal``: ``engine.load_checkpoint`` on a DeepSpeed checkpoint.
+
+With the key set, DeepSpeed resumes its universal checkpoints (``ds_to_universal``'s output,
+named by ``latest_universal``) on any world size. shardtrain's own checkpoints already load on
+any world size; so with the key set ``load_checkpoint`` takes both:
+
+* a shardtrain checkpoint (its tag directory holds ``meta.json``) loads as always, so a job
+  resumed from DeepSpeed keeps the key and resumes from its own checkpoints later;
+* a DeepSpeed checkpoint (universal, or as ``save_checkpoint`` wrote it) is converted by
+  :func:`shardtrain.checkpoint.import_deepspeed` into a temporary directory by one process
+  per node, in a subprocess (the conversion runs without a process group), loaded from there
+  by every rank, and removed. The copy takes about 14 bytes per parameter (weights, fp32
+  masters, Adam's moments) in ``$TMPDIR``; a job that resumes the same DeepSpeed checkpoint
+  often converts it once with ``shardtrain import-deepspeed`` instead.
+
+Every rank raises the same error when the conversion fails on any node, before the engine
+changes.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, Optional, Tuple
+
+from .. import comm
+from ..log import logger
+from ._agreement import Problem, agree, capture
+from ._format import LATEST, META
+from ._loading import load_checkpoint
+
+__all__ = ["load_universal"]
+
+_UNIVERSAL_LATEST = "latest_universal"
+
+
+def load_universal(engine: Any, load_dir: str, tag: Optional[str], *options: bool
+                   ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """``load_checkpoint(engine, load_dir, tag, *options)`` that also takes a DeepSpeed
+    checkpoint (see the module's text)."""
+    load_dir = os.fspath(load_dir)
+    source_tag = _deepspeed_tag(load_dir, tag)
+    if source_tag is None:  # a shardtrain checkpoint, or nothing there: the usual load
+        return load_checkpoint(engine, load_dir, tag, *options)
+    token = comm.broadcast_object(secrets.token_hex(6) if comm.get_rank() == 0 else None)
+    work = os.path.join(tempfile.gettempdir(), f"shardtrain-universal-{token}-{socket.gethostname()}")
+    box = [None]
+    with capture(box):
+        if comm.get_local_rank() == 0:
+            if comm.get_rank() == 0:
+                logger.info("load_universal: converting the DeepSpeed checkpoint %s into %s (one "
+                            "process per node); to resume it often, convert it once with "
+                            "`shardtrain import-deepspeed`", os.path.join(load_dir, source_tag), work)
+            _convert(load_dir, source_tag, work)
+    try:
+        agree(box[0])
+        _, client_state = load_checkpoint(engine, work, source_tag, *options)
+        comm.barrier()  # every rank of this node has read the copy
+    finally:
+        if comm.get_local_rank() == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    return os.path.join(load_dir, source_tag), client_state
+
+
+def _deepspeed_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
+    """The tag of the DeepSpeed checkpoint at ``load_dir`` (``tag``, else the one
+    ``latest_universal`` names, else ``latest``'s); None when ``load_dir`` holds a shardtrain
+    checkpoint or nothing that names one."""
+    if tag is None:
+        for name in (_UNIVERSAL_LATEST, LATEST):
+            tag = _read_tag(os.path.join(load_dir, name))
+            if tag is not None:
+                break
+        if tag is None:
+            return None
+    tag_dir = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(tag_dir) or os.path.isfile(os.path.join(tag_dir, META)):
+        return None  # the usual load says what is missing, or loads shardtrain's own
+    return str(tag)
+
+
+def _read_tag(path: str) -> Optional[str]:
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read(4096).decode("utf-8", errors="replace").strip() or None
+
+
+def _convert(load_dir: str, tag: str, work: str) -> None:
+    """``shardtrain import-deepspeed`` in a subprocess (no process group there)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    shutil.rmtree(work, ignore_errors=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from shardtrain.cli import main; sys.exit(main(sys.argv[1:]))",
+         "import-deepspeed", load_dir, work, "--tag", tag],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        raise Problem(ValueError, f"load_universal: converting the DeepSpeed checkpoint "
+                                  f"{os.path.join(load_dir, tag)} failed: "
+                                  f"{lines[-1] if lines else f'exit status {done.returncode}'}")
