@@ -406,6 +406,8 @@ API: List[Api] = [
     Api("Engine.dp_world_size", "supported", "the ranks that read different samples: `world_size` "
         "divided by the tensor- and sequence-parallel sizes"),
     Api("Engine.mp_world_size", "supported", "the tensor-parallel size"),
+    Api("Engine.collect_python_gc", "supported", "one collection (with `disable_python_gc` the "
+        "collector is off while an engine holding the key lives)"),
     Api("Engine.sequence_parallel_size", "supported", ""),
     Api("Engine.seq_dp_world_size", "supported", "data- x sequence-parallel ranks (ZeRO's group)"),
     Api("Engine.monitor", "supported",

@@ -162,3 +162,27 @@ def test_bf16_casts_buffers_only_with_buffer_dtype(buffer_dtype):
     step(engine, 2)
     assert norm.running_mean.dtype == want and not torch.equal(norm.running_mean, before)
     engine.destroy()
+
+
+def test_disable_python_gc_holds_the_collector_off_while_an_engine_lives():
+    """``disable_python_gc``: off while any engine with the key lives, back on when the last
+    is destroyed; an engine without the key leaves it alone; ``collect_python_gc`` collects."""
+    import gc
+    assert gc.isenabled()
+    config = {**CONFIG, "disable_python_gc": True}
+    first, *_ = shardtrain.initialize(model=model(), config=config)
+    second, *_ = shardtrain.initialize(model=model(), config=config)
+    plain, *_ = shardtrain.initialize(model=model(), config=CONFIG)
+    assert not gc.isenabled()
+    step(first)
+    cycle = []
+    cycle.append(cycle)
+    del cycle
+    assert first.collect_python_gc() >= 1  # the cycle above, found on request
+    first.destroy()
+    first.destroy()  # twice: one lease returned once
+    assert not gc.isenabled()
+    second.destroy()
+    assert gc.isenabled()
+    plain.destroy()
+    assert gc.isenabled()

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import comm
+from . import _python_gc as python_gc, comm
 from .full_weights import full_state_dict
 from .zero.strategy import ParamSlot
 
@@ -218,6 +218,11 @@ class DeepSpeedEngineAPI:
         or evaluation); nothing at stages 0-2."""
         self._strategy.release_all()
 
+    def collect_python_gc(self) -> int:
+        """Runs Python's cyclic garbage collector once (with ``disable_python_gc`` it is off
+        otherwise); the number of unreachable objects found."""
+        return python_gc.collect()
+
     def destroy(self) -> None:
         """Detaches the engine from its model: gradient hooks removed, stage-3 parameters
         released. The process group stays (``shardtrain.destroy()`` ends it)."""
@@ -225,6 +230,8 @@ class DeepSpeedEngineAPI:
         self._strategy.remove_hooks()
         self._load_hook.remove()
         _ENGINES.discard(self)
+        if self.__dict__.pop("_gc_lease", False):
+            python_gc.release()
         comm.set_position(None, replacing=self._describe_position)
 
     # -- parameters, as the safe_get_full_* helpers reach them -------------------------------

@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import accelerator, activation_checkpointing as checkpointing, comm
+from . import _python_gc as python_gc
 from . import checkpoint as _ckpt
 from ._bounds import CollectiveBounds
 from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
@@ -104,6 +105,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (telemetry)
         self._publish_optimizer_flags(overflow=False)
         _ENGINES.add(self)
+        self._gc_lease = bool(self.config.disable_python_gc)
+        if self._gc_lease:
+            python_gc.acquire()
         # Weights loaded into the module later must reach the fp32 masters too.
         self._load_hook = self.module.register_load_state_dict_post_hook(
             lambda module, keys: self._strategy.refresh_masters())

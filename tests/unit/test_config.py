@@ -324,7 +324,6 @@ PLANNED_CASES = {
     "torch_autocast.lower_precision_safe_modules": ["torch.nn.Linear"],
     "disable_allgather": True,
     "dump_state": True,
-    "disable_python_gc": True,
     "fp16.fp16_master_weights_and_grads": True,
     "bf16.bf16_master_weights_and_grads": True,
     "bf16.bf16_optimizer_states": True,

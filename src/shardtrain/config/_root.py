@@ -91,7 +91,8 @@ class ShardConfig(_ConfigModel):
     dataloader_drop_last: _Bool = Field(False, description="drop the last incomplete batch of the built dataloader")
     disable_allgather: _Bool = Field(False, description="niche flag")
     dump_state: _Bool = Field(False, description="print the engine state at start-up")
-    disable_python_gc: _Bool = Field(False, description="niche flag")
+    disable_python_gc: _Bool = Field(
+        False, description="Python's cyclic garbage collector off while the engine lives (collect_python_gc() runs it)")
     vocabulary_size: Optional[_Int] = Field(None, gt=0, description="warns if not a multiple of 8")
     log_level: Annotated[Optional[Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]],
                          BeforeValidator(_upper)] = Field(None, description="shardtrain logger level")

@@ -36,7 +36,6 @@ PLANNED: Dict[str, str] = {
     "torch_autocast.lower_precision_safe_modules": "per-module autocast gradient precision",
     "disable_allgather": "disabling the ZeRO all-gather",
     "dump_state": "printing the engine state at start-up",
-    "disable_python_gc": "disabling Python's garbage collector during training",
     "fp16.fp16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
