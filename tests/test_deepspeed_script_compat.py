@@ -406,6 +406,8 @@ API: List[Api] = [
     Api("Engine.dp_world_size", "supported", "the ranks that read different samples: `world_size` "
         "divided by the tensor- and sequence-parallel sizes"),
     Api("Engine.mp_world_size", "supported", "the tensor-parallel size"),
+    Api("Engine.dump_state", "supported", "the key; with it rank 0 logs `engine.state_report()` at "
+        "start-up (the mesh, stage, dtypes, batch triple, optimizer, model-state bytes)"),
     Api("Engine.collect_python_gc", "supported", "one collection (with `disable_python_gc` the "
         "collector is off while an engine holding the key lives)"),
     Api("Engine.sequence_parallel_size", "supported", ""),

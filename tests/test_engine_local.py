@@ -186,3 +186,13 @@ def test_disable_python_gc_holds_the_collector_off_while_an_engine_lives():
     assert gc.isenabled()
     plain.destroy()
     assert gc.isenabled()
+
+
+def test_dump_state_logs_what_the_engine_was_built_into(records):
+    engine, *_ = shardtrain.initialize(model=model(), config={**CONFIG, "dump_state": True})
+    report = "\n".join(r.getMessage() for r in records if r.getMessage().startswith("Engine state:"))
+    assert engine.dump_state() and report == engine.state_report()
+    for line in ("zero_optimization.stage", "train_batch_size", "optimizer", "SGD",
+                 "trainable parameters", "10", "model states: total"):
+        assert line in report, line
+    engine.destroy()

@@ -218,6 +218,38 @@ class DeepSpeedEngineAPI:
         or evaluation); nothing at stages 0-2."""
         self._strategy.release_all()
 
+    def dump_state(self) -> bool:
+        """``dump_state``: whether :meth:`state_report` is logged at start-up (rank 0)."""
+        return bool(self.config.dump_state)
+
+    def state_report(self) -> str:
+        """What the engine was built into, one ``name .... value`` line each: the mesh and
+        world sizes, the ZeRO stage, the dtypes, the batch triple, the optimizer and scheduler,
+        the parameters and this rank's model-state bytes."""
+        params = list({id(p): p for p in self.module.parameters()}.values())
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+        floats = [p.dtype for p in params if p.is_floating_point()]
+        rows = {
+            "world_size": self.world_size, "mesh": repr(self.mesh),
+            "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size,
+            "sequence_parallel_size": self.sequence_parallel_size,
+            "zero_optimization.stage": self.zero_optimization_stage(),
+            "param dtype": floats[0] if floats else None,
+            "communication_data_type": self.communication_data_type,
+            "grad_accum_dtype": self.config.data_types.grad_accum_dtype or (floats[0] if floats else None),
+            "train_batch_size": self.train_batch_size(),
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu(),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps(),
+            "gradient_clipping": self.config.gradient_clipping,
+            "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
+            "lr_scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None,
+            "trainable parameters": f"{trainable:,}",
+            "device": self.device,
+            **{f"model states: {k}": f"{v:,} B" for k, v in self.model_state_bytes().items()},
+        }
+        width = max(len(k) for k in rows) + 4
+        return "\n".join(["Engine state:"] + [f"  {k} {'.' * (width - len(k))} {v}" for k, v in rows.items()])
+
     def collect_python_gc(self) -> int:
         """Runs Python's cyclic garbage collector once (with ``disable_python_gc`` it is off
         otherwise); the number of unreachable objects found."""

@@ -111,6 +111,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # Weights loaded into the module later must reach the fp32 masters too.
         self._load_hook = self.module.register_load_state_dict_post_hook(
             lambda module, keys: self._strategy.refresh_masters())
+        if self.config.dump_state and self.global_rank == 0:
+            logger.info("%s", self.state_report())
 
     # -- construction -----------------------------------------------------------------------
 

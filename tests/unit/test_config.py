@@ -323,7 +323,6 @@ PLANNED_CASES = {
     "zero_optimization.save_muon_momentum_buffer_in_memory": True,
     "torch_autocast.lower_precision_safe_modules": ["torch.nn.Linear"],
     "disable_allgather": True,
-    "dump_state": True,
     "fp16.fp16_master_weights_and_grads": True,
     "bf16.bf16_master_weights_and_grads": True,
     "bf16.bf16_optimizer_states": True,

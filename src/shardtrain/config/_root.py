@@ -90,7 +90,7 @@ class ShardConfig(_ConfigModel):
     zero_force_ds_cpu_optimizer: _Bool = Field(True, description="with ZeRO-Offload, require a DeepSpeed CPU optimizer")
     dataloader_drop_last: _Bool = Field(False, description="drop the last incomplete batch of the built dataloader")
     disable_allgather: _Bool = Field(False, description="niche flag")
-    dump_state: _Bool = Field(False, description="print the engine state at start-up")
+    dump_state: _Bool = Field(False, description="rank 0 logs engine.state_report() at start-up")
     disable_python_gc: _Bool = Field(
         False, description="Python's cyclic garbage collector off while the engine lives (collect_python_gc() runs it)")
     vocabulary_size: Optional[_Int] = Field(None, gt=0, description="warns if not a multiple of 8")

@@ -35,7 +35,6 @@ PLANNED: Dict[str, str] = {
     "zero_optimization.zenflow": "ZenFlow",
     "torch_autocast.lower_precision_safe_modules": "per-module autocast gradient precision",
     "disable_allgather": "disabling the ZeRO all-gather",
-    "dump_state": "printing the engine state at start-up",
     "fp16.fp16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
