@@ -196,3 +196,25 @@ def test_dump_state_logs_what_the_engine_was_built_into(records):
                  "trainable parameters", "10", "model states: total"):
         assert line in report, line
     engine.destroy()
+
+
+@pytest.mark.parametrize("from_fp32", [True, False])
+def test_load_from_fp32_weights_false_rebuilds_masters_from_the_16_bit_weights(tmp_path, from_fp32):
+    """``zero_optimization.load_from_fp32_weights``: true (the default) loads the fp32 masters
+    saved in the checkpoint; false starts them again from the loaded bf16 weights."""
+    config = {**CONFIG, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    engine, *_ = shardtrain.initialize(model=model(), config=config)
+    step(engine, 3)
+    engine.save_checkpoint(str(tmp_path))
+    saved = [s.tensor.detach().clone() for s in engine.optimizer_slots()]
+    engine.destroy()
+    config["zero_optimization"]["load_from_fp32_weights"] = from_fp32
+    loaded, *_ = shardtrain.initialize(model=model(), config=config)
+    loaded.load_checkpoint(str(tmp_path))
+    for slot, master in zip(loaded.optimizer_slots(), saved):
+        weights = slot.param.detach().float().view(-1)[slot.lo:slot.hi].view_as(master)
+        want = master if from_fp32 else weights
+        assert torch.equal(slot.tensor.detach(), want)
+    assert any(not torch.equal(m, s.param.detach().float().view_as(m)) for m, s in
+               zip(saved, loaded.optimizer_slots()))  # the fp32 masters hold more than bf16
+    loaded.destroy()

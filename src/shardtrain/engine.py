@@ -865,8 +865,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
         load = _ckpt.load_universal if self.config.checkpoint.load_universal else _ckpt.load_checkpoint
-        return load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                    load_lr_scheduler_states, load_module_only)
+        path, client_state = load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only)
+        if path is not None and not self.config.zero_optimization.load_from_fp32_weights:
+            # DeepSpeed's false: the fp32 masters start again from the loaded 16-bit weights
+            self._strategy.refresh_masters()
+        return path, client_state
 
 
 def _apply_logging_keys(config: ShardConfig) -> None:

@@ -310,7 +310,6 @@ PLANNED_CASES = {
     "zero_optimization.zero_quantized_gradients": True,
     "zero_optimization.zero_hpz_partition_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1},
-    "zero_optimization.load_from_fp32_weights": False,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": True,
     "zero_optimization.stage3_allgather_sequential": True,
     "zero_optimization.ignore_unused_parameters": False,

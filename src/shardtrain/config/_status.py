@@ -60,7 +60,6 @@ PLANNED: Dict[str, str] = {
 #: Tuning keys of the ZeRO stages that are not implemented yet: planned like the rest (refused
 #: at a non-default value), listed apart so that each stage's change can take its own out.
 STAGE_TUNING_KEYS: Dict[str, str] = {
-    "zero_optimization.load_from_fp32_weights": "ZeRO checkpoints",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "ZeRO-3 parameter fetching",
     "zero_optimization.stage3_allgather_sequential": "ZeRO-3 parameter fetching",
     "zero_optimization.ignore_unused_parameters": "refusing unused parameters (they are always allowed)",
