@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import shutil
+import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -464,6 +467,55 @@ def case_grad_accum_fp32(rank, world):
         out[name] = {"norm": got["norms"][0], "losses": got["losses"], "params": got["params"],
                      "bytes": engine.model_state_bytes()}
         engine.destroy()
+    return out
+
+
+@case
+def case_bf16_masters(rank, world):
+    """``bf16_master_weights_and_grads`` with ``bf16_optimizer_states`` (stages 1-3): the
+    optimizer steps the bf16 weights in place with bf16 Adam states, against the default
+    (fp32 masters and states) on the same data, and a plain bf16 model stepped by torch's
+    AdamW in one process."""
+    if STAGE == 0:  # refused at stage 0, as DeepSpeed refuses it
+        try:
+            engine_for(make_model(), base_config(micro=4, bf16={
+                "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}))
+        except ValueError as err:
+            return {"refused": str(err)}
+        return {"refused": None}
+    data = make_data(3, 1, world, 4)
+    out = {}
+    for name, extra in (("bf16", {"bf16_master_weights_and_grads": True,
+                                  "bf16_optimizer_states": True}), ("fp32", {})):
+        engine = engine_for(make_model(), base_config(micro=4, bf16={"enabled": True, **extra}))
+        got = train(engine, data, rank)
+        slots = [s for s in engine.optimizer_slots() if s.tensor is not None]
+        got["in_place"] = all(not s.is_copy and s.tensor.dtype == torch.bfloat16 for s in slots)
+        got["state_dtypes"] = sorted({str(v.dtype) for s in slots
+                                      for v in engine.optimizer.state[s.tensor].values()
+                                      if isinstance(v, torch.Tensor) and v.dim()})
+        got["bytes"] = engine.model_state_bytes()
+        path = os.path.join(tempfile.gettempdir(), f"bf16-masters-{os.getppid()}-s{STAGE}-w{world}")
+        engine.save_checkpoint(path)
+        again = engine_for(make_model(), base_config(micro=4, bf16={"enabled": True, **extra}))
+        again.load_checkpoint(path)
+        got["reloaded"] = _params(again.module)
+        again.destroy()
+        engine.destroy()
+        comm.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+        out[name] = got
+    model = make_model().to(torch.bfloat16)
+    opt = adamw(model.parameters())
+    x, y = data
+    for s in range(x.shape[0]):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(F.cross_entropy(model(x[s, 0, r].to(torch.bfloat16)).float(), y[s, 0, r])
+                   for r in range(world)) / world
+        loss.backward()
+        opt.step()
+    out["reference"] = _params(model)
     return out
 
 

@@ -359,6 +359,17 @@ def test_estimate_counts_fp32_gradients_of_grad_accum_dtype(capsys, tmp_path):
     assert "data_types.grad_accum_dtype 'int8'" in line and "'fp32'" in line
 
 
+def test_estimate_counts_bf16_masters_from_the_config(capsys, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                           "bf16_optimizer_states": True}}))
+    report = estimate(capsys, "--model", f"{MODELS}:gpt_tiny", "--nproc", "4",
+                      "--persistence-threshold", "0", "--config", str(config))
+    for row in report["stages"]:
+        want = zero_formula_bytes(TINY_PARAMS, 4, row["stage"], 2, 2, 4)
+        assert row["total"] == pytest.approx(want, abs=1)
+
+
 def test_estimate_table_names_the_mesh(capsys):
     out = run_cli(capsys, "estimate", "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
                   "--nproc", "4", "--tensor-parallel", "2")

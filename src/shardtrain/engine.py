@@ -172,8 +172,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                    cfg.prescale_gradients, cfg.gradient_predivide_factor,
                                    cfg.comm_dtype(self.mesh.sp.size() > 1),
                                    cfg.data_types.grad_accum_dtype)
+        masters = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads \
+            else torch.float32
         return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
-                              self.mesh.zero, self.mesh.tp if self.mesh.tp.size() > 1 else None)
+                              self.mesh.zero, self.mesh.tp if self.mesh.tp.size() > 1 else None,
+                              masters)
 
     def _build_dataloader(self, training_data, collate_fn) -> Optional[ShardedDataLoader]:
         if training_data is None:

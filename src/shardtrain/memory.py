@@ -62,15 +62,20 @@ class BytesPerParam:
     k_parts: str
 
 
-def bytes_per_param(dtype: str, optimizer: str, grad_accum_dtype: Optional[str] = None
-                    ) -> BytesPerParam:
+def bytes_per_param(dtype: str, optimizer: str, grad_accum_dtype: Optional[str] = None,
+                    bf16_masters: bool = False) -> BytesPerParam:
     """The bytes per parameter of ``dtype`` ("fp32", "bf16", "fp16") parameters trained
     with ``optimizer`` ("adam": two fp32 moments, "sgd": one momentum); gradients are held in
-    ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; None: ``dtype``)."""
+    ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; None: ``dtype``). ``bf16_masters``
+    (``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``): no master copy, and
+    the states in bf16."""
     states, what = {"adam": (8, "Adam moments 8"), "sgd": (4, "SGD momentum 4")}[optimizer]
     grads = 4 if "fp32" in (dtype, grad_accum_dtype) else 2
     if dtype == "fp32":
         return BytesPerParam(4, grads, states, what)
+    if bf16_masters:
+        return BytesPerParam(2, grads, states // 2, f"no master + bf16 {what.split()[0]} "
+                                                    f"{what.split()[1]} {states // 2}")
     return BytesPerParam(2, grads, 4 + states, f"fp32 master 4 + {what}")
 
 

@@ -323,8 +323,6 @@ PLANNED_CASES = {
     "torch_autocast.lower_precision_safe_modules": ["torch.nn.Linear"],
     "disable_allgather": True,
     "fp16.fp16_master_weights_and_grads": True,
-    "bf16.bf16_master_weights_and_grads": True,
-    "bf16.bf16_optimizer_states": True,
     "data_types.keep_in_fp32_modules": ["lm_head"],
     "comet.enabled": True,
     "checkpoint.parallel_write.pipeline_stage": True,
@@ -600,6 +598,15 @@ def test_fp16_validation(fp16, key):
 
 def test_fp16_window_unchecked_with_a_static_scale():
     assert load({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}}).fp16.loss_scale == 128.0
+
+
+def test_bf16_masters_need_zero_and_bf16_optimizer_states():
+    both = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+            "zero_optimization": {"stage": 2}}
+    assert load(both).bf16.bf16_optimizer_states
+    assert "needs ZeRO" in error_of({**both, "zero_optimization": {"stage": 0}})
+    alone = {**both, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}
+    assert "bf16.bf16_optimizer_states to true" in error_of(alone)
 
 
 def test_grad_accum_dtype_is_the_models_or_fp32():

@@ -120,8 +120,10 @@ class Trainable:
     @property
     def has_master(self) -> bool:
         """An fp32 master of a 16-bit parameter: the only copy that holds more than the
-        module's own weights (and so the only one saved)."""
-        return self.tensor is not None and self.param.dtype != torch.float32
+        module's own weights (and so the only one saved). bf16 masters updated in place
+        (``bf16_master_weights_and_grads``) are the weights: none."""
+        return self.tensor is not None and self.param.dtype != torch.float32 \
+            and self.tensor.dtype == torch.float32
 
 
 def named_params(parts: TrainingParts) -> List[Tuple[str, torch.nn.Parameter]]:

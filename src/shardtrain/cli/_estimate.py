@@ -82,7 +82,8 @@ def add_parser(commands) -> None:
                           "config's, or 1)")
     est.add_argument("--config", metavar="JSON_FILE",
                      help="a DeepSpeed-style config: its tensor_parallel block (rules and size) "
-                          "and sequence_parallel_size describe the mesh")
+                          "and sequence_parallel_size describe the mesh; data_types.grad_accum_dtype "
+                          "and bf16's bf16_master_weights_and_grads the bytes per parameter")
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(handler=_cmd_estimate, subparser=est)
 
@@ -110,8 +111,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         persistent=sum(local[id(p)] for p in params if local[id(p)] <= args.persistence_threshold),
         frozen=sum(local[id(p)] for p in params if not p.requires_grad))
     accum = args.grad_accum_dtype or _grad_accum_of(args.config)
+    masters = args.dtype == "bf16" and _bf16_masters_of(args.config)
     report = _estimate(counts, nproc, args.nnodes,
-                       bytes_per_param(args.dtype, args.optimizer, accum), mesh)
+                       bytes_per_param(args.dtype, args.optimizer, accum, masters), mesh)
     report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
                   grad_accum_dtype=accum or args.dtype,
                   persistence_threshold=args.persistence_threshold,
@@ -173,6 +175,12 @@ def _grad_accum_of(path: Optional[str]) -> Optional[str]:
         raise _UsageError(f"--config {path}: data_types.grad_accum_dtype "
                           f"{block.get('grad_accum_dtype')!r}: {why}") from None
     return "fp32" if accum == torch.float32 else None
+
+
+def _bf16_masters_of(path: Optional[str]) -> bool:
+    """The config keeps bf16 masters and states (``bf16.bf16_master_weights_and_grads``)."""
+    block = (_read_config(path) if path else {}).get("bf16") or {}
+    return bool(block.get("bf16_master_weights_and_grads")) and bool(block.get("bf16_optimizer_states"))
 
 
 def _read_config(path: str) -> Dict[str, Any]:

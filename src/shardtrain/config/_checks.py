@@ -44,6 +44,15 @@ def _check_combinations(cfg: "ShardConfig") -> None:
     if param_dtype is not None and param_dtype != mode:
         raise ConfigError(f"data_types.param_dtype {_show(param_dtype)} does not match the precision mode "
                           f"({_show(mode)}); remove it or make it {_show(mode)}.")
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads:
+        if cfg.zero_optimization.stage == 0:
+            raise ConfigError("bf16.bf16_master_weights_and_grads needs ZeRO (zero_optimization.stage 1, 2 or "
+                              "3), as in DeepSpeed; set a stage or remove the key.")
+        if not cfg.bf16.bf16_optimizer_states:
+            raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states (fp32 "
+                              "optimizer states over bf16 masters) is not supported: a torch optimizer keeps "
+                              "its states in its tensors' dtype. Set bf16.bf16_optimizer_states to true too "
+                              "(bf16 states), or remove the key (fp32 masters).")
     accum = cfg.data_types.grad_accum_dtype
     if accum not in (None, mode, torch.float32):
         raise ConfigError(f"data_types.grad_accum_dtype {_show(accum)}: gradients accumulate in the model's "

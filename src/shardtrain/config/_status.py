@@ -36,8 +36,6 @@ PLANNED: Dict[str, str] = {
     "torch_autocast.lower_precision_safe_modules": "per-module autocast gradient precision",
     "disable_allgather": "disabling the ZeRO all-gather",
     "fp16.fp16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
-    "bf16.bf16_master_weights_and_grads": "16-bit master weights and gradients (ZeRO 1-3)",
-    "bf16.bf16_optimizer_states": "bf16 optimizer states",
     "data_types.keep_in_fp32_modules": "keeping named modules in fp32 under fp16/bf16",
     "comet.enabled": "the Comet monitor (meanwhile, log to wandb, mlflow, tensorboard, csv_monitor "
                      "or jsonl_monitor)",

@@ -173,8 +173,10 @@ def predicted_model_states(engine: Any) -> Tuple[int, str]:
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         floats[0].dtype if floats else torch.float32, "fp32")
     optimizer = "sgd" if type(engine.optimizer).__name__.lower().startswith("sgd") else "adam"
-    accum = engine.config.data_types.grad_accum_dtype
-    b = bytes_per_param(dtype, optimizer, "fp32" if accum == torch.float32 else None)
+    cfg = engine.config
+    accum = cfg.data_types.grad_accum_dtype
+    b = bytes_per_param(dtype, optimizer, "fp32" if accum == torch.float32 else None,
+                        bool(cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads))
 
     def numel(p: torch.nn.Parameter) -> int:
         return int(getattr(p, "ds_numel", p.numel()))

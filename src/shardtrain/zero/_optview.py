@@ -6,7 +6,8 @@ each parameter it holds this rank's slice of it (the whole tensor at stage 0), a
 * the parameter itself, when the slice is whole and the parameter is fp32;
 * a view of the parameter's storage, when the slice is partial and the parameter is fp32
   (the optimizer then updates this rank's part of the module in place);
-* an fp32 master copy of the slice, when the parameter is 16-bit.
+* an fp32 master copy of the slice, when the parameter is 16-bit (unless ``master_dtype`` is
+  that 16-bit dtype: bf16 masters, ``bf16.bf16_master_weights_and_grads``).
 
 A client optimizer built on ``model.parameters()`` is re-pointed at these tensors, keeping
 its param groups and hyperparameters, so any ``torch.optim`` optimizer works unchanged.
@@ -57,10 +58,12 @@ class OptimizerView:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], slices: Sequence[Slice],
                  sources: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                 offload: bool = False, pin_memory: bool = False):
+                 offload: bool = False, pin_memory: bool = False,
+                 master_dtype: torch.dtype = torch.float32):
         self.params = list(params)
         self.slices = list(slices)
         self.offload = offload
+        self.master_dtype = master_dtype
         self._pin = pin_memory and accelerator.is_cuda()
         sources = list(sources) if sources is not None else [None] * len(self.params)
         self.sources = [src if src is not None else p.data.view(-1)[lo:hi]
@@ -80,12 +83,13 @@ class OptimizerView:
         if hi <= lo:
             return None
         whole = lo == 0 and hi == p.numel()
-        if src.dtype == torch.float32 and not self.offload:
+        if src.dtype in (torch.float32, self.master_dtype) and not self.offload:
             if whole:
                 return p
             return torch.nn.Parameter(src)  # a view: the optimizer updates the slice in place
         device = torch.device("cpu") if self.offload else src.device
-        master = torch.empty(src.shape, dtype=torch.float32, device=device,
+        dtype = self.master_dtype if src.dtype == self.master_dtype else torch.float32
+        master = torch.empty(src.shape, dtype=dtype, device=device,
                              pin_memory=self._pin and device.type == "cpu")
         master.copy_(src)
         return torch.nn.Parameter(master.view_as(p) if whole else master)

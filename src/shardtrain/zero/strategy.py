@@ -263,11 +263,13 @@ class Strategy:
 
 
 def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], zero: Any,
-                   settings: ReduceSettings, group: Group, tp: Optional[Group] = None
-                   ) -> Strategy:
+                   settings: ReduceSettings, group: Group, tp: Optional[Group] = None,
+                   master_dtype: torch.dtype = torch.float32) -> Strategy:
     """Assembles the strategy of ``zero.stage`` (``zero`` is the ``zero_optimization``
     config) for the trainable ``params`` of ``module`` on the data-parallel ``group``
-    (``tp``: the tensor-parallel group, when the model's layers are split over one)."""
+    (``tp``: the tensor-parallel group, when the model's layers are split over one;
+    ``master_dtype``: the optimizer's copies of 16-bit parameters, fp32 unless the config
+    keeps bf16 masters, at stages 1-3)."""
     units = partition_model(module, group, zero) if zero.stage == 3 else None
     buckets = [FlatBucket(group, flat=zero.stage < 2, dtype=settings.accum_dtype)
                for group in split_into_buckets(params, int(zero.reduce_bucket_size))]
@@ -282,15 +284,15 @@ def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], ze
         grads = FullGrads(params, buckets, overlap, settings, ScatterExchange(rows))
     else:
         grads = ShardedGrads(params, buckets, overlap, settings, rows)
-    view = _sharded_view(params, group, zero.offload_optimizer)
+    view = _sharded_view(params, group, zero.offload_optimizer, master_dtype)
     whole = [p for p in params if not is_partitioned(p)]
     gatherer = SliceGatherer(whole, int(zero.allgather_bucket_size), group)
     schedule = GatherSchedule(module, units, zero, view.refresh_masters) if units else None
     return Strategy(zero.stage, module, params, grads, view, group, gatherer, schedule, tp)
 
 
-def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any
-                  ) -> OptimizerView:
+def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any,
+                  master_dtype: torch.dtype = torch.float32) -> OptimizerView:
     """This rank's slice of each parameter; at stage 3 a partitioned parameter's slice is
     its shard (the optimizer updates it in place when it is fp32)."""
     world, rank = group.size(), group.rank()
@@ -299,4 +301,4 @@ def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any
     sources = [p.ds_tensor[: hi - lo] if is_partitioned(p) else None
                for p, (lo, hi) in zip(params, slices)]
     return OptimizerView(params, slices, sources, offload=on_host,
-                         pin_memory=bool(on_host and offload.pin_memory))
+                         pin_memory=bool(on_host and offload.pin_memory), master_dtype=master_dtype)
