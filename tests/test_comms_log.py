@@ -57,7 +57,7 @@ def logged_run(rank: int, world_size: int) -> Dict[str, Any]:
     out["table"] = captured.lines[before:]
 
     deepspeed.comm.reset_log()
-    deepspeed.comm.configure(enabled=True, prof_all=False, prof_ops=["all_gather"])
+    deepspeed.comm.configure(enabled=True, prof_all=False, prof_ops=["all_gather_into_tensor"])
     for _ in range(2):  # one optimizer step: its all-gather of the updated slices
         engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
         engine.step()

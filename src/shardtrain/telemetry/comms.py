@@ -52,13 +52,20 @@ def _data_bytes(op: str, tensor: torch.Tensor, ranks: int) -> int:
     return size * ranks if op.startswith("all_gather") else size
 
 
+#: DeepSpeed's names of operations, as ``prof_ops`` may list them, and the names logged here.
+_ALIASES = {"all_gather_into_tensor": "all_gather", "allgather_fn": "all_gather",
+            "all_gather_base": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+            "reduce_scatter_fn": "reduce_scatter", "reduce_scatter_base": "reduce_scatter",
+            "all_to_all_single": "all_to_all", "inference_all_reduce": "all_reduce"}
+
+
 class CommsLog(comm.CollectiveTiming):
     """Latencies by operation and message size (bytes of the tensor handed to the
     collective); installed into :mod:`shardtrain.comm` by :func:`configure`."""
 
     def __init__(self, prof_all: bool = True, prof_ops: Iterable[str] = (), verbose: bool = False,
                  debug: bool = False):
-        self.prof_all, self.prof_ops = prof_all, set(prof_ops)
+        self.prof_all, self.prof_ops = prof_all, {_ALIASES.get(op, op) for op in prof_ops}
         self.verbose, self.debug = verbose, debug
         # op -> message bytes -> {"count", "total", "data", "ranks"}
         self.rows: Dict[str, Dict[int, Dict[str, Any]]] = {}
