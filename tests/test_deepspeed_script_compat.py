@@ -284,11 +284,13 @@ API: List[Api] = [
         "tensor-parallel rank)"),
     Api("checkpointing.is_configured", "supported", ""),
     Api("checkpointing.reset", "supported", ""),
-    Api("checkpointing.get_cuda_rng_tracker", "not provided",
-        "Megatron's per-rank RNG streams for hand-written model-parallel layers; AutoTP's "
-        "ranks share one seed"),
-    Api("checkpointing.model_parallel_cuda_manual_seed", "not provided",
-        "as `get_cuda_rng_tracker`: seed with `torch.manual_seed`"),
+    Api("checkpointing.get_cuda_rng_tracker", "supported",
+        "Megatron's named RNG streams (`fork()`, `add`, `get_states`/`set_states`; the device's "
+        "generator, the CPU's on a CPU run); `checkpoint` recomputes a region with the streams' "
+        "states of its forward"),
+    Api("checkpointing.model_parallel_cuda_manual_seed", "supported",
+        "the default stream seeded alike, `model-parallel-rng` with seed + 2718 + the "
+        "model-parallel rank of the `mpu_` given to `configure`"),
     Api("comm", "supported", "`deepspeed.comm`: DeepSpeed's functions and signatures, passed to "
         "`torch.distributed` on the group given (None: the world)"),
     Api("comm.init_distributed", "supported", "as `init_distributed`"),

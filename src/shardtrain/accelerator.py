@@ -16,7 +16,8 @@ import torch
 __all__ = ["device", "device_type", "default_backend", "synchronize", "memory_stats",
            "range", "is_cuda", "set_local_device", "reset_peak_memory", "total_memory",
            "device_name", "limit_memory", "is_out_of_memory", "device_count", "nccl_version",
-           "device_inventory", "record_memory_history", "dump_memory_snapshot"]
+           "device_inventory", "record_memory_history", "dump_memory_snapshot", "get_rng_state",
+           "set_rng_state", "manual_seed"]
 
 _ENV = "SHARDTRAIN_ACCELERATOR"
 
@@ -56,6 +57,26 @@ def default_backend() -> str:
 def synchronize() -> None:
     if is_cuda():
         torch.cuda.synchronize()
+
+
+def get_rng_state() -> torch.Tensor:
+    """The device generator's state (CUDA's current device, else the CPU's)."""
+    return torch.cuda.get_rng_state() if is_cuda() else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    if is_cuda():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds the device generator (CUDA's current device, else the CPU's)."""
+    if is_cuda():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
 
 
 def memory_stats() -> dict:

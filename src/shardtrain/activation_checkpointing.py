@@ -31,8 +31,11 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from . import accelerator
+from .rng import RNGStatesTracker, get_rng_tracker
+from .rng import model_parallel_manual_seed as _model_parallel_manual_seed
 
-__all__ = ["checkpoint", "configure", "is_configured", "reset"]
+__all__ = ["checkpoint", "configure", "is_configured", "reset", "get_rng_tracker",
+           "model_parallel_manual_seed", "RNGStatesTracker"]
 
 
 @dataclass
@@ -41,6 +44,7 @@ class _Settings:
     synchronize: bool = False
     use_reentrant: bool = False
     configured: bool = False
+    mpu: Any = None  # DeepSpeed's mpu_ argument: whose model-parallel rank seeds the RNG stream
 
 
 _settings = _Settings()
@@ -54,13 +58,17 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
     """Sets how :func:`checkpoint` behaves (DeepSpeed's argument names).
 
     Args:
+        mpu_: a model-parallel unit (``engine.mpu``, or Megatron's): its model-parallel rank
+            seeds the per-rank stream of :func:`model_parallel_manual_seed`.
         config: an ``ActivationCheckpointingConfig`` (the engine passes its own).
         checkpoint_in_cpu: keep saved region inputs in host memory (``cpu_checkpointing``).
         synchronize: synchronise the device at region boundaries.
         use_reentrant: torch's reentrant variant (default False, which supports keyword
             arguments and inputs that do not require grad).
     """
-    del mpu_, deepspeed_config, partition_activations, contiguous_checkpointing
+    if mpu_ is not None:
+        _settings.mpu = mpu_
+    del deepspeed_config, partition_activations, contiguous_checkpointing
     del num_checkpoints, profile
     if config is not None:
         _settings.cpu_checkpointing = bool(config.cpu_checkpointing)
@@ -78,10 +86,36 @@ def is_configured() -> bool:
     return _settings.configured
 
 
+def model_parallel_manual_seed(seed: int) -> None:
+    """:func:`shardtrain.rng.model_parallel_manual_seed` with the model-parallel rank of the
+    ``mpu_`` given to :func:`configure` (0 without one): DeepSpeed's
+    ``model_parallel_cuda_manual_seed``."""
+    mpu = _settings.mpu
+    _model_parallel_manual_seed(seed, mpu.get_model_parallel_rank() if mpu is not None else 0)
+
+
 def reset() -> None:
     """Back to the defaults (for tests and for reusing a process)."""
     global _settings
     _settings = _Settings()
+
+
+def _with_tracker_states(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, whose second run (the recomputation) starts from the RNG tracker's
+    states of its first; the tracker's states outside are kept."""
+    first: list = []
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not first:
+            first.append(get_rng_tracker().get_states())
+            return function(*args, **kwargs)
+        outside = get_rng_tracker().get_states()
+        get_rng_tracker().set_states(first[0])
+        try:
+            return function(*args, **kwargs)
+        finally:
+            get_rng_tracker().set_states(outside)
+    return run
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -97,6 +131,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             if _settings.cpu_checkpointing else contextlib.nullcontext())
     if _settings.synchronize:
         accelerator.synchronize()
+    if get_rng_tracker().states:  # the recomputation draws what the forward drew
+        function = _with_tracker_states(function)
     with accelerator.range("shardtrain.checkpoint"), host:
         out = _torch_checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
     if _settings.synchronize:
