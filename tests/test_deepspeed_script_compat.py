@@ -279,9 +279,9 @@ API: List[Api] = [
     Api("checkpointing", "supported", "activation checkpointing (`deepspeed.checkpointing`)"),
     Api("checkpointing.checkpoint", "supported", "on `torch.utils.checkpoint`; every ZeRO stage"),
     Api("checkpointing.configure", "supported",
-        "`checkpoint_in_cpu`, `synchronize`; `partition_activations`, `contiguous_checkpointing`, "
-        "`num_checkpoints`, `profile` accepted with no effect (saved inputs stay whole on each "
-        "tensor-parallel rank)"),
+        "`checkpoint_in_cpu`, `synchronize`, `partition_activations` (with `mpu_`, or the engine's "
+        "tensor-parallel mesh), `mpu_`; `contiguous_checkpointing`, `num_checkpoints`, `profile` "
+        "accepted with no effect"),
     Api("checkpointing.is_configured", "supported", ""),
     Api("checkpointing.reset", "supported", ""),
     Api("checkpointing.get_cuda_rng_tracker", "supported",

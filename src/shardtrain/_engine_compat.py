@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import _python_gc as python_gc, comm
+from . import _python_gc as python_gc, activation_checkpointing, comm
 from .full_weights import full_state_dict
 from .zero.strategy import ParamSlot
 
@@ -262,6 +262,7 @@ class DeepSpeedEngineAPI:
         self._strategy.remove_hooks()
         self._load_hook.remove()
         _ENGINES.discard(self)
+        activation_checkpointing.release_mpu(self.mpu)
         if self.__dict__.pop("_gc_lease", False):
             python_gc.release()
         comm.set_position(None, replacing=self._describe_position)

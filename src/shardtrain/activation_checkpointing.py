@@ -15,11 +15,13 @@ Example:
 
 Config keys: ``cpu_checkpointing`` keeps the region's saved inputs in host memory until
 backward; ``synchronize_checkpoint_boundary`` synchronises the device around each region
-(for timing). ``partition_activations`` (which shards saved inputs across tensor-parallel
-ranks), ``contiguous_memory_optimization``, ``number_checkpoints`` and ``profile`` are
-accepted and change nothing here: saved inputs stay whole on each tensor-parallel rank, the
-caching allocator reuses checkpoint memory, and regions show in ``torch.profiler`` traces as
-``shardtrain.checkpoint`` ranges.
+(for timing). ``partition_activations``, with tensor parallelism (the engine's mesh, or
+``configure(mpu_=...)``), keeps 1/T of each region's saved inputs on each of the T ranks
+(which all hold the same inputs) and gathers them back in backward: the region then runs
+as torch's reentrant variant does, recomputed inside backward with the forward's RNG
+states and autocast. ``contiguous_memory_optimization``, ``number_checkpoints`` and
+``profile`` are accepted and change nothing here: the caching allocator reuses checkpoint
+memory, and regions show in ``torch.profiler`` traces as ``shardtrain.checkpoint`` ranges.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from . import accelerator
+from . import accelerator, comm
 from .rng import RNGStatesTracker, get_rng_tracker
 from .rng import model_parallel_manual_seed as _model_parallel_manual_seed
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "get_rng_tracker",
-           "model_parallel_manual_seed", "RNGStatesTracker"]
+           "model_parallel_manual_seed", "RNGStatesTracker", "release_mpu"]
 
 
 @dataclass
@@ -45,6 +47,8 @@ class _Settings:
     use_reentrant: bool = False
     configured: bool = False
     mpu: Any = None  # DeepSpeed's mpu_ argument: whose model-parallel rank seeds the RNG stream
+    partition: bool = False  # partition_activations: saved inputs split over the mpu's group
+    group: Any = None  # the mpu's model-parallel group, as a comm.Group
 
 
 _settings = _Settings()
@@ -61,6 +65,8 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
         mpu_: a model-parallel unit (``engine.mpu``, or Megatron's): its model-parallel rank
             seeds the per-rank stream of :func:`model_parallel_manual_seed`.
         config: an ``ActivationCheckpointingConfig`` (the engine passes its own).
+        partition_activations: split each region's saved inputs over the model-parallel
+            group of ``mpu_`` (the engine's mesh when it has tensor parallelism).
         checkpoint_in_cpu: keep saved region inputs in host memory (``cpu_checkpointing``).
         synchronize: synchronise the device at region boundaries.
         use_reentrant: torch's reentrant variant (default False, which supports keyword
@@ -68,7 +74,12 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
     """
     if mpu_ is not None:
         _settings.mpu = mpu_
-    del deepspeed_config, partition_activations, contiguous_checkpointing
+        _settings.group = _model_parallel_group(mpu_)
+    if config is not None:
+        _settings.partition = bool(config.partition_activations)
+    if partition_activations is not None:
+        _settings.partition = partition_activations
+    del deepspeed_config, contiguous_checkpointing
     del num_checkpoints, profile
     if config is not None:
         _settings.cpu_checkpointing = bool(config.cpu_checkpointing)
@@ -80,6 +91,22 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
     if use_reentrant is not None:
         _settings.use_reentrant = use_reentrant
     _settings.configured = True
+
+
+def _model_parallel_group(mpu: Any) -> Optional[comm.Group]:
+    """The mpu's model-parallel group: the engine's mesh's, or a caller's process group."""
+    mesh = getattr(mpu, "mesh", None)
+    if mesh is not None:
+        return mesh.tp
+    handle = mpu.get_model_parallel_group() if hasattr(mpu, "get_model_parallel_group") else None
+    return comm.Group(handle, "tp") if handle is not None else None
+
+
+def release_mpu(mpu: Any) -> None:
+    """Forgets ``mpu`` if :func:`configure` was given it (its engine was destroyed: its
+    groups must not split later regions)."""
+    if mpu is not None and _settings.mpu is mpu:
+        _settings.mpu = _settings.group = None
 
 
 def is_configured() -> bool:
@@ -98,6 +125,72 @@ def reset() -> None:
     """Back to the defaults (for tests and for reusing a process)."""
     global _settings
     _settings = _Settings()
+
+
+class _PartitionedRegion(torch.autograd.Function):
+    """A checkpointed region whose saved inputs are split over the model-parallel group
+    (``partition_activations``): every rank of the group holds the same inputs, so each keeps
+    1/T of each floating tensor and backward gathers them back before recomputing. The
+    recomputation runs with the RNG states (device, CPU, tracker) and autocast of the
+    forward, and backward returns the inputs' whole gradients, as torch's reentrant variant."""
+
+    @staticmethod
+    def forward(ctx, function, group, on_host, *args):
+        ctx.function, ctx.group, ctx.kinds = function, group, []
+        ctx.rng = (torch.get_rng_state(), accelerator.get_rng_state(), get_rng_tracker().get_states())
+        device = accelerator.device_type()
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        saved, size, rank = [], group.size(), group.rank()
+        for a in args:
+            if torch.is_tensor(a) and a.is_floating_point() and a.numel() >= size:
+                flat, per = a.detach().reshape(-1), -(-a.numel() // size)
+                mine = flat[rank * per:(rank + 1) * per].clone()
+                saved.append(mine.to("cpu") if on_host else mine)
+                ctx.kinds.append(("part", (a.shape, a.numel(), per, a.device), a.requires_grad))
+            elif torch.is_tensor(a):
+                saved.append(a.detach())
+                ctx.kinds.append(("tensor", None, a.requires_grad))
+            else:
+                ctx.kinds.append(("value", a, False))
+        ctx.save_for_backward(*saved)
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved, inputs = iter(ctx.saved_tensors), []
+        for kind, meta, requires_grad in ctx.kinds:
+            if kind == "part":
+                shape, numel, per, device = meta
+                mine = next(saved).to(device)
+                padded = torch.zeros(per, dtype=mine.dtype, device=device)
+                padded[:mine.numel()] = mine
+                full = torch.empty(per * ctx.group.size(), dtype=mine.dtype, device=device)
+                comm.all_gather(full, padded, group=ctx.group)
+                inputs.append(full[:numel].view(shape).requires_grad_(requires_grad))
+            elif kind == "tensor":
+                inputs.append(next(saved).detach().requires_grad_(requires_grad))
+            else:
+                inputs.append(meta)
+        outside = (torch.get_rng_state(), accelerator.get_rng_state(), get_rng_tracker().get_states())
+        torch.set_rng_state(ctx.rng[0])
+        accelerator.set_rng_state(ctx.rng[1])
+        get_rng_tracker().set_states(ctx.rng[2])
+        device, enabled, dtype = ctx.autocast
+        try:
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                out = ctx.function(*inputs)
+        finally:
+            torch.set_rng_state(outside[0])
+            accelerator.set_rng_state(outside[1])
+            get_rng_tracker().set_states(outside[2])
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, *[x.grad if torch.is_tensor(x) and x.requires_grad else None
+                                    for x in inputs])
 
 
 def _with_tracker_states(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,6 +220,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         *args, **kwargs: its inputs; ``use_reentrant=`` overrides the configured variant.
     """
     use_reentrant = kwargs.pop("use_reentrant", _settings.use_reentrant)
+    group = _settings.group
+    if _settings.partition and group is not None and group.size() > 1 and not kwargs \
+            and torch.is_grad_enabled():
+        with accelerator.range("shardtrain.checkpoint"):
+            return _PartitionedRegion.apply(function, group, _settings.cpu_checkpointing, *args)
     host = (torch.autograd.graph.save_on_cpu(pin_memory=accelerator.is_cuda())
             if _settings.cpu_checkpointing else contextlib.nullcontext())
     if _settings.synchronize:

@@ -92,6 +92,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.mesh = build_mesh(config, mpu)
         self._build_module()
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
+        if self.mpu is not None:  # partition_activations and the RNG streams read its group
+            checkpointing.configure(mpu_=self.mpu)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
         if not trainable:
             log_dist("the model has no trainable parameters (requires_grad is False everywhere): "

@@ -20,7 +20,8 @@ class ActivationCheckpointingConfig(_ConfigModel):
     config_path: ClassVar[str] = "activation_checkpointing"
     drops_auto: ClassVar[bool] = False
 
-    partition_activations: _Bool = Field(False, description="shard checkpointed activations across ranks")
+    partition_activations: _Bool = Field(
+        False, description="split checkpointed regions' saved inputs over the tensor-parallel ranks")
     contiguous_memory_optimization: _Bool = Field(False, description="copy checkpoints into one buffer")
     cpu_checkpointing: _Bool = Field(False, description="keep checkpoints in CPU memory")
     number_checkpoints: Optional[_Int] = Field(None, description="number of checkpoints for the contiguous buffer")

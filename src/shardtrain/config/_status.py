@@ -93,9 +93,6 @@ NO_EFFECT: Dict[str, str] = {
     "checkpoint.use_node_local_storage":
         "on one machine every rank sees the same directory; on several machines true is "
         "refused at start-up (put save_dir on storage every node sees)",
-    "activation_checkpointing.partition_activations":
-        "shards a checkpointed region's saved inputs across tensor-parallel ranks; shardtrain "
-        "keeps them whole on each rank (more memory with tensor parallelism, the same results)",
     "activation_checkpointing.contiguous_memory_optimization":
         "the caching allocator already reuses checkpoint memory",
     "activation_checkpointing.number_checkpoints": "sizes the contiguous buffer (see above)",
