@@ -127,6 +127,17 @@ def reset() -> None:
     _settings = _Settings()
 
 
+def _rng_states() -> tuple:
+    """The CPU generator's, the device generator's and the tracker's streams' states."""
+    return torch.get_rng_state(), accelerator.get_rng_state(), get_rng_tracker().get_states()
+
+
+def _set_rng_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    accelerator.set_rng_state(states[1])
+    get_rng_tracker().set_states(states[2])
+
+
 class _PartitionedRegion(torch.autograd.Function):
     """A checkpointed region whose saved inputs are split over the model-parallel group
     (``partition_activations``): every rank of the group holds the same inputs, so each keeps
@@ -137,7 +148,7 @@ class _PartitionedRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, function, group, on_host, *args):
         ctx.function, ctx.group, ctx.kinds = function, group, []
-        ctx.rng = (torch.get_rng_state(), accelerator.get_rng_state(), get_rng_tracker().get_states())
+        ctx.rng = _rng_states()
         device = accelerator.device_type()
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         saved, size, rank = [], group.size(), group.rank()
@@ -172,18 +183,14 @@ class _PartitionedRegion(torch.autograd.Function):
                 inputs.append(next(saved).detach().requires_grad_(requires_grad))
             else:
                 inputs.append(meta)
-        outside = (torch.get_rng_state(), accelerator.get_rng_state(), get_rng_tracker().get_states())
-        torch.set_rng_state(ctx.rng[0])
-        accelerator.set_rng_state(ctx.rng[1])
-        get_rng_tracker().set_states(ctx.rng[2])
+        outside = _rng_states()
+        _set_rng_states(ctx.rng)
         device, enabled, dtype = ctx.autocast
         try:
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 out = ctx.function(*inputs)
         finally:
-            torch.set_rng_state(outside[0])
-            accelerator.set_rng_state(outside[1])
-            get_rng_tracker().set_states(outside[2])
+            _set_rng_states(outside)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]

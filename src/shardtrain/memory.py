@@ -69,14 +69,13 @@ def bytes_per_param(dtype: str, optimizer: str, grad_accum_dtype: Optional[str] 
     ``grad_accum_dtype`` (``data_types.grad_accum_dtype``; None: ``dtype``). ``bf16_masters``
     (``bf16_master_weights_and_grads`` with ``bf16_optimizer_states``): no master copy, and
     the states in bf16."""
-    states, what = {"adam": (8, "Adam moments 8"), "sgd": (4, "SGD momentum 4")}[optimizer]
+    states, what = {"adam": (8, "Adam moments"), "sgd": (4, "SGD momentum")}[optimizer]
     grads = 4 if "fp32" in (dtype, grad_accum_dtype) else 2
     if dtype == "fp32":
-        return BytesPerParam(4, grads, states, what)
+        return BytesPerParam(4, grads, states, f"{what} {states}")
     if bf16_masters:
-        return BytesPerParam(2, grads, states // 2, f"no master + bf16 {what.split()[0]} "
-                                                    f"{what.split()[1]} {states // 2}")
-    return BytesPerParam(2, grads, 4 + states, f"fp32 master 4 + {what}")
+        return BytesPerParam(2, grads, states // 2, f"no master + bf16 {what} {states // 2}")
+    return BytesPerParam(2, grads, 4 + states, f"fp32 master 4 + {what} {states}")
 
 
 def estimate_model_states(trainable: int, frozen: int, persistent: int, world_size: int,

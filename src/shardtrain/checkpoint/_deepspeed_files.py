@@ -31,14 +31,14 @@ import re
 import types
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ._paths import check_tag, inside, regular_file
 
 __all__ = ["LossScalerState", "ZeroStage", "FragmentAddress", "STAND_INS", "DeepSpeedFiles",
-           "locate", "load_pickle"]
+           "locate", "load_pickle", "is_tag_dir", "latest_tag"]
 
 
 class LossScalerState:
@@ -92,24 +92,25 @@ def locate(ckpt_dir: str, tag: Optional[str]) -> DeepSpeedFiles:
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"DeepSpeed checkpoint directory {ckpt_dir!r} does not exist; "
                                 "check the path.")
-    if tag is None and _is_tag_dir(ckpt_dir):
+    if tag is None and is_tag_dir(ckpt_dir):
         return _files(os.path.normpath(ckpt_dir), os.path.basename(os.path.normpath(ckpt_dir)))
     tag = tag if tag is not None else _latest(ckpt_dir)
     check_tag(str(tag), f"DeepSpeed checkpoint {ckpt_dir}")
     tag_dir = os.path.join(ckpt_dir, str(tag))
     if not os.path.isdir(tag_dir) or not inside(tag_dir, ckpt_dir):
-        tags = sorted(e for e in os.listdir(ckpt_dir) if _is_tag_dir(os.path.join(ckpt_dir, e)))
+        tags = sorted(e for e in os.listdir(ckpt_dir) if is_tag_dir(os.path.join(ckpt_dir, e)))
         raise FileNotFoundError(f"DeepSpeed checkpoint tag {str(tag)!r} not found in "
                                 f"{ckpt_dir!r} (tags there: {tags or 'none'}); pass one of "
                                 "them with --tag.")
-    if not _is_tag_dir(tag_dir):
+    if not is_tag_dir(tag_dir):
         raise ValueError(f"{tag_dir} is not a DeepSpeed checkpoint: it holds no "
                          f"{MODEL_STATES} nor zero_pp_rank_*_mp_rank_00_model_states.pt; "
                          f"{_NOT_DEEPSPEED}.")
     return _files(tag_dir, str(tag))
 
 
-def _is_tag_dir(path: str) -> bool:
+def is_tag_dir(path: str) -> bool:
+    """Whether ``path`` holds a DeepSpeed checkpoint's model states files."""
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
@@ -117,8 +118,11 @@ def _is_tag_dir(path: str) -> bool:
         m is not None and m.group(3) == "model" for m in map(_ZERO_FILE.fullmatch, names))
 
 
-def _latest(ckpt_dir: str) -> str:
-    for name in ("latest", "latest_universal"):
+def latest_tag(ckpt_dir: str, names: Sequence[str] = ("latest", "latest_universal")
+               ) -> Optional[str]:
+    """The tag held by the first of ``names`` found in ``ckpt_dir`` (None if none is there);
+    a symbolic link is refused."""
+    for name in names:
         path = os.path.join(ckpt_dir, name)
         if os.path.islink(path):
             raise ValueError(f"{path} is a symbolic link; it must be a file holding a tag "
@@ -126,6 +130,13 @@ def _latest(ckpt_dir: str) -> str:
         if regular_file(path, ckpt_dir) is not None:
             with open(path, "rb") as f:
                 return f.read(4096).decode("utf-8", errors="replace").strip()
+    return None
+
+
+def _latest(ckpt_dir: str) -> str:
+    tag = latest_tag(ckpt_dir)
+    if tag is not None:
+        return tag
     raise ValueError(f"{ckpt_dir} is not a DeepSpeed checkpoint: it has no 'latest' or "
                      f"'latest_universal' file and no model states files; {_NOT_DEEPSPEED}, "
                      "or name the tag with --tag.")

@@ -30,7 +30,8 @@ from typing import Any, Dict, Optional, Tuple
 from .. import comm
 from ..log import logger
 from ._agreement import Problem, agree, capture
-from ._format import LATEST, META
+from ._deepspeed_files import is_tag_dir, latest_tag
+from ._format import LATEST
 from ._loading import load_checkpoint
 
 __all__ = ["load_universal"]
@@ -68,26 +69,13 @@ def load_universal(engine: Any, load_dir: str, tag: Optional[str], *options: boo
 
 def _deepspeed_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
     """The tag of the DeepSpeed checkpoint at ``load_dir`` (``tag``, else the one
-    ``latest_universal`` names, else ``latest``'s); None when ``load_dir`` holds a shardtrain
-    checkpoint or nothing that names one."""
+    ``latest_universal`` names, else ``latest``'s); None when that tag is no DeepSpeed
+    checkpoint (a shardtrain one, or nothing: the usual load takes it and says what is missing)."""
     if tag is None:
-        for name in (_UNIVERSAL_LATEST, LATEST):
-            tag = _read_tag(os.path.join(load_dir, name))
-            if tag is not None:
-                break
-        if tag is None:
-            return None
-    tag_dir = os.path.join(load_dir, str(tag))
-    if not os.path.isdir(tag_dir) or os.path.isfile(os.path.join(tag_dir, META)):
-        return None  # the usual load says what is missing, or loads shardtrain's own
-    return str(tag)
-
-
-def _read_tag(path: str) -> Optional[str]:
-    if not os.path.isfile(path) or os.path.islink(path):
+        tag = latest_tag(load_dir, (_UNIVERSAL_LATEST, LATEST)) if os.path.isdir(load_dir) else None
+    if tag is None or not is_tag_dir(os.path.join(load_dir, str(tag))):
         return None
-    with open(path, "rb") as f:
-        return f.read(4096).decode("utf-8", errors="replace").strip() or None
+    return str(tag)
 
 
 def _convert(load_dir: str, tag: str, work: str) -> None:

@@ -101,7 +101,8 @@ def _json_object(text: str) -> Dict[str, Any]:
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     nproc = args.nproc or _default_nproc()
-    mesh = _mesh(args, nproc * args.nnodes)
+    config = _read_config(args.config) if args.config else {}
+    mesh = _mesh(args, nproc * args.nnodes, config)
     model = _build_on_meta(args.model, args.model_kwargs)
     local = _local_numels(model, mesh)
     params = [p for _, p in model.named_parameters()]  # a shared (tied) parameter once
@@ -110,8 +111,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         trainable=sum(local[id(p)] for p in params if p.requires_grad),
         persistent=sum(local[id(p)] for p in params if local[id(p)] <= args.persistence_threshold),
         frozen=sum(local[id(p)] for p in params if not p.requires_grad))
-    accum = args.grad_accum_dtype or _grad_accum_of(args.config)
-    masters = args.dtype == "bf16" and _bf16_masters_of(args.config)
+    accum = args.grad_accum_dtype or _grad_accum_of(config, args.config)
+    masters = args.dtype == "bf16" and _bf16_masters_of(config)
     report = _estimate(counts, nproc, args.nnodes,
                        bytes_per_param(args.dtype, args.optimizer, accum, masters), mesh)
     report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
@@ -149,9 +150,8 @@ class _Mesh:
         return self.dp * self.sp
 
 
-def _mesh(args: argparse.Namespace, world: int) -> _Mesh:
+def _mesh(args: argparse.Namespace, world: int, config: Dict[str, Any]) -> _Mesh:
     from ..config import ConfigError, data_parallel_world, tensor_parallel_size
-    config = _read_config(args.config) if args.config else {}
     block = dict(config.get("tensor_parallel") or {})
     try:
         tp = args.tensor_parallel or tensor_parallel_size(block)
@@ -164,10 +164,10 @@ def _mesh(args: argparse.Namespace, world: int) -> _Mesh:
     return _Mesh(tp, sp, dp, block)
 
 
-def _grad_accum_of(path: Optional[str]) -> Optional[str]:
-    """The config's ``data_types.grad_accum_dtype`` when it is fp32 (else None)."""
+def _grad_accum_of(config: Dict[str, Any], path: Optional[str]) -> Optional[str]:
+    """The config's (read from ``path``) ``data_types.grad_accum_dtype`` when it is fp32."""
     from ..config import DataTypesConfig
-    block = (_read_config(path) if path else {}).get("data_types") or {}
+    block = config.get("data_types") or {}
     try:
         accum = DataTypesConfig.model_validate(block).grad_accum_dtype
     except ValueError as err:  # pydantic's ValidationError, and ConfigError
@@ -177,9 +177,9 @@ def _grad_accum_of(path: Optional[str]) -> Optional[str]:
     return "fp32" if accum == torch.float32 else None
 
 
-def _bf16_masters_of(path: Optional[str]) -> bool:
+def _bf16_masters_of(config: Dict[str, Any]) -> bool:
     """The config keeps bf16 masters and states (``bf16.bf16_master_weights_and_grads``)."""
-    block = (_read_config(path) if path else {}).get("bf16") or {}
+    block = config.get("bf16") or {}
     return bool(block.get("bf16_master_weights_and_grads")) and bool(block.get("bf16_optimizer_states"))
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from .. import accelerator, comm
+from .._sizes import format_bytes
 from ..log import logger
 
 __all__ = ["CommsLog", "configure", "enabled", "timed", "summary", "log_summary", "reset",
@@ -96,7 +97,7 @@ class CommsLog(comm.CollectiveTiming):
         if self.verbose:
             algbw = row["data"] / max(seconds, 1e-12)
             logger.info("comm op: %s | time (ms): %.3f | msg size: %s | algbw (GB/s): %.3f | "
-                        "busbw (GB/s): %.3f", name, seconds * 1e3, _size(size), algbw / 1e9,
+                        "busbw (GB/s): %.3f", name, seconds * 1e3, format_bytes(size), algbw / 1e9,
                         algbw * busbw_factor(op, ranks) / 1e9)
 
     def summary(self) -> Dict[str, Dict[int, Dict[str, float]]]:
@@ -124,14 +125,6 @@ def _caller() -> str:
             return frame.f_code.co_name
         frame = frame.f_back
     return "?"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.2f} GB"
 
 
 _log: Optional[CommsLog] = None
@@ -205,7 +198,7 @@ def format_summary(rows: Dict[str, Dict[int, Dict[str, float]]]) -> str:
     lines: List[str] = [head + (f"{'Straggler(ms)':>15}" if straggler else "")]
     for name in sorted(rows):
         for size, r in rows[name].items():
-            line = (f"{name:<28}{_size(size):>14}{r['count']:>8}{r['total_latency_ms']:>19.3f}"
+            line = (f"{name:<28}{format_bytes(size):>14}{r['count']:>8}{r['total_latency_ms']:>19.3f}"
                     f"{r['avg_latency_ms']:>17.3f}{r['algbw_gbps']:>14.3f}{r['busbw_gbps']:>14.3f}")
             lines.append(line + (f"{r.get('straggler_ms', 0.0):>15.3f}" if straggler else ""))
     if len(lines) == 1:

@@ -69,9 +69,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2, mpu=None)
             return torch.zeros((), device=device)
         return torch.stack(norms).max() if inf else torch.stack(norms).pow(p_norm).sum()
 
-    slices = _across(combined([q for q in with_grad if is_model_parallel_parameter(q)]),
+    split = [is_model_parallel_parameter(q) for q in with_grad]
+    slices = _across(combined([q for q, s in zip(with_grad, split) if s]),
                      dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, mpu)
-    shared = combined([q for q in with_grad if not is_model_parallel_parameter(q)])
+    shared = combined([q for q, s in zip(with_grad, split) if not s])
     norm = torch.maximum(slices, shared) if inf else (slices + shared).pow(1.0 / p_norm)
     coefficient = float(max_norm) / (norm.item() + 1e-6)
     if coefficient < 1.0:
