@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,8 +18,10 @@ import ds_tiny_model as tiny
 import shardtrain
 from _dist import run_cases
 from shardtrain import comm
+from shardtrain.optim import WarmupLR
 
-Plan = Sequence[Tuple[str, int, bool, bool]]  # (checkpoint, stage, bf16, load optimizer states)
+# (checkpoint, stage, bf16, load optimizer states, the client optimizer's name or None)
+Plan = Sequence[Tuple[str, int, bool, bool, Optional[str]]]
 
 
 def case_key(name: str, stage: int, with_optimizer: bool = True) -> str:
@@ -30,17 +32,29 @@ def resume_all(rank: int, world_size: int, root: str, plan: Plan) -> Dict[str, A
     """Every case of ``plan``; a case that raises is reported, not fatal (``run_cases``)."""
     torch.manual_seed(0)
     cases = {case_key(name, stage, optim): functools.partial(
-        resume, os.path.join(root, name), stage, bf16, optim)
-        for name, stage, bf16, optim in plan}
+        resume, os.path.join(root, name), stage, bf16, optim, client)
+        for name, stage, bf16, optim, client in plan}
     return run_cases(cases, rank, world_size)
 
 
-def resume(path: str, stage: int, bf16: bool, with_optimizer: bool, rank: int,
-           world: int) -> Dict[str, Any]:
+def build(stage: int, bf16: bool, world: int, client: Optional[str] = None,
+          extra: Optional[Dict[str, Any]] = None):
+    """The fixtures' engine: the config's optimizer and scheduler, or the client optimizer
+    ``client`` with a WarmupLR passed beside it, as DeepSpeed's run had them."""
     model = tiny.make_model()
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = shardtrain.initialize(model=model, model_parameters=params,
-                                       config=tiny.config(stage, bf16, world))
+    config = {**tiny.config(stage, bf16, world, client=client is not None), **(extra or {})}
+    if client is None:
+        return shardtrain.initialize(model=model, model_parameters=params, config=config)[0]
+    optimizer = tiny.client_optimizer(client, params)
+    scheduler = WarmupLR(optimizer, **tiny.CLIENT_WARMUP)
+    return shardtrain.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                 config=config)[0]
+
+
+def resume(path: str, stage: int, bf16: bool, with_optimizer: bool, client: Optional[str],
+           rank: int, world: int) -> Dict[str, Any]:
+    engine = build(stage, bf16, world, client)
     engine.load_checkpoint(path, load_optimizer_states=with_optimizer)
     loaded = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
               "skipped_steps": engine.skipped_steps, "lr": engine.get_lr()[0],
@@ -53,7 +67,8 @@ def resume(path: str, stage: int, bf16: bool, with_optimizer: bool, rank: int,
 
 
 def slots(engine) -> Dict[str, Dict[str, Any]]:
-    """This rank's fp32 masters (the weights themselves in fp32) and Adam states."""
+    """This rank's fp32 masters (the weights themselves in fp32) and optimizer states (Adam's
+    moments and step, SGD's momentum)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out = {}
     for slot in engine.optimizer_slots():
@@ -62,12 +77,14 @@ def slots(engine) -> Dict[str, Dict[str, Any]]:
         state = engine.optimizer.state.get(slot.tensor, {})
         if not state:  # loaded without the optimizer states, before any step
             continue
-        out[names[id(slot.param)]] = {
-            "lo": slot.lo, "hi": slot.hi,
-            "fp32": slot.tensor.detach().float().reshape(-1).clone(),
-            "exp_avg": state["exp_avg"].detach().reshape(-1).clone(),
-            "exp_avg_sq": state["exp_avg_sq"].detach().reshape(-1).clone(),
-            "step": float(state["step"])}
+        entry = {"lo": slot.lo, "hi": slot.hi,
+                 "fp32": slot.tensor.detach().float().reshape(-1).clone()}
+        for key, value in state.items():
+            if key == "step":
+                entry[key] = float(value)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                entry[key] = value.detach().reshape(-1).clone()
+        out[names[id(slot.param)]] = entry
     return out
 
 
@@ -93,10 +110,13 @@ def train(engine, rank: int, world: int) -> Dict[str, Any]:
     return {"losses": means, "micro": micro, "lrs": lrs}
 
 
-def load_universal(rank: int, world_size: int, fixture: str, save_dir: str) -> Dict[str, Any]:
+def load_universal(rank: int, world_size: int, fixture: str, save_dir: str,
+                   stage0: str) -> Dict[str, Any]:
     """``checkpoint.load_universal``: ``engine.load_checkpoint`` on DeepSpeed's universal
     checkpoint directly (at stage 1, not the source's 2), then on the engine's own checkpoint
-    with the key still set, then on a damaged copy of the DeepSpeed one."""
+    with the key still set, then on a damaged copy of the DeepSpeed one. Without the key:
+    the stage-0 client-optimizer checkpoint ``stage0`` loaded as it is (its frozen parameter
+    named by the engine's module)."""
     import glob
     import shutil
     import tempfile
@@ -138,4 +158,13 @@ def load_universal(rank: int, world_size: int, fixture: str, save_dir: str) -> D
             engine.destroy()
         return {"message": None}
 
-    return run_cases({"direct": direct, "own": own, "damaged": damaged}, rank, world_size)
+    def plain(r, w):
+        engine = build(0, False, w, "AdamW")
+        path, _ = engine.load_checkpoint(stage0)
+        trained = train(engine, r, w)
+        trained.update(path=path, steps=engine.global_steps)
+        engine.destroy()
+        return trained
+
+    return run_cases({"direct": direct, "own": own, "damaged": damaged, "plain": plain}, rank,
+                     world_size)

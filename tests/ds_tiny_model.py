@@ -36,6 +36,10 @@ CONFIG: Dict[str, Any] = {
     "zero_optimization": {"stage": 0},
 }
 STAGE3_PERSISTENCE = 100  # parameters of at most this many elements stay whole at stage 3
+# Optimizers passed to initialize (DeepSpeed: zero_allow_untested_optimizer), each with a
+# WarmupLR passed beside it; the config then has neither block.
+CLIENT_OPTIMIZERS = ("AdamW", "Adam", "SGD")
+CLIENT_WARMUP = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 3}
 
 
 class Block(nn.Module):
@@ -92,9 +96,21 @@ def micro_batch(step: int, micro: int, rank: int, world: int) -> Tuple[torch.Ten
     return x[lo: lo + size], y[lo: lo + size]
 
 
-def config(stage: int, bf16: bool, world: int = WORLD) -> Dict[str, Any]:
-    """The fixture's config for ``stage`` and precision, for a run on ``world`` ranks."""
+def client_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """The client optimizer ``name`` (one of ``CLIENT_OPTIMIZERS``) over ``params``."""
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=0.01)
+    return getattr(torch.optim, name)(params, lr=0.01, betas=(0.9, 0.99), eps=1e-8,
+                                      weight_decay=0.01)
+
+
+def config(stage: int, bf16: bool, world: int = WORLD, client: bool = False) -> Dict[str, Any]:
+    """The fixture's config for ``stage`` and precision, for a run on ``world`` ranks; with
+    ``client``, for an optimizer and scheduler passed to initialize."""
     cfg = copy.deepcopy(CONFIG)
+    if client:
+        del cfg["optimizer"], cfg["scheduler"]
+        cfg["zero_allow_untested_optimizer"] = True
     cfg["train_micro_batch_size_per_gpu"] = TRAIN_BATCH // (GAS * world)
     cfg["zero_optimization"] = {"stage": stage}
     if stage == 3:

@@ -845,12 +845,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         engine is changed.
 
         Args:
-            load_dir: the ``save_dir`` of :meth:`save_checkpoint`; with the config's
-                ``checkpoint.load_universal``, also a DeepSpeed checkpoint (its universal form
-                or as DeepSpeed saved it), converted on the way
-                (:mod:`shardtrain.checkpoint._universal`).
-            tag: default: the tag named by ``<load_dir>/latest`` (DeepSpeed's:
-                ``latest_universal``, else ``latest``).
+            load_dir: the ``save_dir`` of :meth:`save_checkpoint`, or a DeepSpeed checkpoint
+                directory (as DeepSpeed saved it, or its universal form), converted on the
+                way (:mod:`shardtrain.checkpoint._universal`).
+            tag: default: the tag named by ``<load_dir>/latest`` (a DeepSpeed directory with
+                the config's ``checkpoint.load_universal``: ``latest_universal``, else
+                ``latest``).
             load_module_strict: refuse parameter or buffer names that only one side has.
             load_optimizer_states: also restore optimizer states, fp32 masters and the loss
                 scale (otherwise masters are rebuilt from the loaded weights).
@@ -869,9 +869,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
-        load = _ckpt.load_universal if self.config.checkpoint.load_universal else _ckpt.load_checkpoint
-        path, client_state = load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                  load_lr_scheduler_states, load_module_only)
+        path, client_state = _ckpt.load_universal(
+            self, load_dir, tag, load_module_strict, load_optimizer_states,
+            load_lr_scheduler_states, load_module_only,
+            prefer_universal=self.config.checkpoint.load_universal)
         if path is not None and not self.config.zero_optimization.load_from_fp32_weights:
             # DeepSpeed's false: the fp32 masters start again from the loaded 16-bit weights
             self._strategy.refresh_masters()

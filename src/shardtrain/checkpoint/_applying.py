@@ -104,11 +104,17 @@ def _apply_scheduler(parts: TrainingParts, meta: Dict[str, Any]) -> None:
     saved, sched = meta.get("lr_scheduler"), engine_state.lr_scheduler(parts)
     if saved is None or sched is None:
         return
-    if saved["class"] != type(sched).__name__:
+    state = decode(saved["state"])
+    if saved["class"] is None and set(state) != set(sched.state_dict()):
+        logger.warning("load_checkpoint: the checkpoint's scheduler state has the keys %s but the "
+                       "engine's %s has %s; its state is not loaded.", sorted(state),
+                       type(sched).__name__, sorted(sched.state_dict()))
+        return
+    if saved["class"] not in (None, type(sched).__name__):
         logger.warning("load_checkpoint: the checkpoint's scheduler is %s but the engine's is "
                        "%s; its state is not loaded.", saved["class"], type(sched).__name__)
         return
-    sched.load_state_dict(decode(saved["state"]))
+    sched.load_state_dict(state)
 
 
 def _apply_training_state(parts: TrainingParts, meta: Dict[str, Any],

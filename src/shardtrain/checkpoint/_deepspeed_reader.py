@@ -40,8 +40,11 @@ __all__ = ["read_deepspeed"]
 
 
 def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool = False,
-                   frozen: Optional[Sequence[str]] = None) -> DeepSpeedState:
-    """Reads a DeepSpeed checkpoint (stages 0-3 or universal) into a :class:`DeepSpeedState`."""
+                   frozen: Optional[Sequence[str]] = None,
+                   untrained: Optional[Sequence[str]] = None) -> DeepSpeedState:
+    """Reads a DeepSpeed checkpoint (stages 0-3 or universal) into a :class:`DeepSpeedState`;
+    ``untrained`` (the parameters a module to load into does not train) settles a stage-0
+    checkpoint that shapes cannot, and is not used otherwise."""
     files = locate(ckpt_dir, tag)
 
     def load(path: str) -> Any:
@@ -49,7 +52,7 @@ def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool 
 
     model = _model_states(files.model_states[0], load)
     if not files.universal and not files.optim_states:
-        return read_stage0(files, model, frozen)
+        return read_stage0(files, model, frozen, untrained)
     if frozen:
         raise ValueError(f"{files.tag_dir}: frozen= (--frozen) is for stage-0 checkpoints, whose "
                          "optimizer does not name its parameters; this one names them: drop it.")

@@ -22,9 +22,11 @@ from ._deepspeed_state import (DeepSpeedState, TrainedParam, base_state, hyperpa
 __all__ = ["read_stage0", "align"]
 
 
-def read_stage0(files: DeepSpeedFiles, model: Dict[str, Any],
-                frozen: Optional[Sequence[str]]) -> DeepSpeedState:
-    """A stage-0 checkpoint: the module, and the optimizer's state under the module's names."""
+def read_stage0(files: DeepSpeedFiles, model: Dict[str, Any], frozen: Optional[Sequence[str]],
+                untrained: Optional[Sequence[str]] = None) -> DeepSpeedState:
+    """A stage-0 checkpoint: the module, and the optimizer's state under the module's names.
+    ``untrained`` is tried as ``frozen`` first when ``frozen`` is not given: a module's
+    frozen parameters are most likely the ones the optimizer did not hold."""
     path = files.model_states[0]
     saved = model.get("optimizer")
     if not isinstance(saved, dict):
@@ -38,7 +40,15 @@ def read_stage0(files: DeepSpeedFiles, model: Dict[str, Any],
     base = saved["optimizer_state_dict"] if wrapped else saved
     state = base_state(files, model, "ZeRO stage 0", 0, int(model.get("dp_world_size") or 1))
     masters = [list(g) for g in saved["fp32_groups"]] if wrapped else None
-    names = _stage0_names(path, state, model["module"], base, masters, frozen)
+    names = None
+    if frozen is None and untrained:
+        known = [n for n in untrained if n in model["module"]]
+        try:
+            names = _stage0_names(path, state, model["module"], base, masters, known)
+        except ValueError:  # they are not what the optimizer left out: shapes must tell
+            names = None
+    if names is None:
+        names = _stage0_names(path, state, model["module"], base, masters, frozen)
     _stage0_params(state, model["module"], base, masters, names)
     whole_frozen(state, model["module"])
     state.groups = hyperparameters(base["param_groups"])

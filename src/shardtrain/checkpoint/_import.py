@@ -3,8 +3,10 @@
 :func:`import_deepspeed` reads a DeepSpeed checkpoint (:mod:`._deepspeed_reader`) and gives
 what it holds the shape of an engine's :class:`shardtrain.state.TrainingParts`: a module whose
 parameters are the saved weights, the optimizer that shardtrain builds from the same config
-holding the fp32 masters and the Adam moments, the scheduler built from the config with
-DeepSpeed's state dict loaded into it, the loss scaler, the counters. Then
+holding the fp32 masters and the Adam moments (or, for an optimizer passed to DeepSpeed's
+``initialize``, the ``torch.optim`` class its param groups name), the scheduler's state dict
+(which a load gives to the engine's scheduler, as DeepSpeed's does), the loss scaler, the
+counters. Then
 :func:`shardtrain.checkpoint.save_checkpoint` writes those parts exactly as it writes an
 engine's, so the converted checkpoint is an ordinary one (meta.json, rank files, digests,
 atomic publication) and any change of the format reaches the converter too.
@@ -29,7 +31,7 @@ import torch
 
 from .. import comm
 from ..log import logger
-from ..optim import build_optimizer, build_scheduler
+from ..optim import build_optimizer
 from ..precision import LossScaler, Precision
 from ..state import TrainingParts, TrainState
 from ..zero._optview import ParamSlot
@@ -37,6 +39,7 @@ from ._agreement import as_plain_errors
 from ._deepspeed_reader import read_deepspeed
 from ._deepspeed_state import DeepSpeedState, TrainedParam
 from ._format import dtype_name, encode_dict
+from ._manifest import UnnamedScheduler
 from ._paths import is_plain_tag
 from ._saving import save_checkpoint
 
@@ -45,7 +48,8 @@ __all__ = ["import_deepspeed"]
 
 def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
                      trust_pickle: bool = False,
-                     frozen: Optional[Sequence[str]] = None) -> str:
+                     frozen: Optional[Sequence[str]] = None,
+                     untrained: Optional[Sequence[str]] = None) -> str:
     """Converts a DeepSpeed checkpoint into a shardtrain checkpoint.
 
     Reads a checkpoint that DeepSpeed 0.19 saved with ``engine.save_checkpoint`` at ZeRO stage
@@ -68,6 +72,9 @@ def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
             everything, which can run code from the files: only for checkpoints you trust.
         frozen: stage 0 only, when shapes cannot tell: the names of the module's parameters
             the optimizer did not hold.
+        untrained: the parameters the module that will load the checkpoint does not train
+            (``requires_grad`` false); a stage-0 checkpoint that shapes cannot settle takes
+            them as ``frozen`` when they fit (``engine.load_checkpoint`` passes them).
 
     Returns:
         The tag directory written.
@@ -88,7 +95,7 @@ def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
         raise ValueError("import_deepspeed runs in one process, but a process group of "
                          f"{comm.get_world_size()} ranks is active: call it before "
                          "init_distributed, or run `shardtrain import-deepspeed`.")
-    state = as_plain_errors(read_deepspeed, ckpt_dir, tag, trust_pickle, frozen)
+    state = as_plain_errors(read_deepspeed, ckpt_dir, tag, trust_pickle, frozen, untrained)
     target = _target(os.fspath(ckpt_dir), os.fspath(out_dir), state)
     parts = _parts(state)
     save_checkpoint(_Imported(parts), out_dir, tag=state.tag, client_state=state.client_state)
@@ -127,8 +134,8 @@ class _Imported:
 def _parts(state: DeepSpeedState) -> TrainingParts:
     params, slots = _params(state)
     optimizer = _optimizer(state, slots)
-    scheduler = _scheduler(state, optimizer)
-    _set_hyperparameters(state, optimizer)  # after the scheduler wrote its initial lr
+    scheduler = _scheduler(state)
+    _set_hyperparameters(state, optimizer)
     _set_states(state, optimizer, slots)
     gas = _accumulation(state.config, state.world_size)
     counters = TrainState(micro_steps=state.counters["global_steps"] * gas, **state.counters)
@@ -165,26 +172,58 @@ def _params(state: DeepSpeedState) -> Tuple[Dict[str, torch.nn.Parameter], Dict[
 
 
 def _optimizer(state: DeepSpeedState, slots: Dict[str, ParamSlot]) -> torch.optim.Optimizer:
-    """The optimizer shardtrain builds from the same config block, over the same groups."""
-    spec = state.config.get("optimizer") or _inferred_spec(state)
+    """The optimizer shardtrain builds from the same config block, over the same groups; with
+    no block (a client optimizer), the torch class its param groups name."""
     groups: List[List[torch.Tensor]] = [[] for _ in state.groups]
     for name, p in state.params.items():
         groups[p.group].append(slots[name].tensor)
-    return build_optimizer(spec, [{"params": g} for g in groups])
+    spec = state.config.get("optimizer")
+    if spec:
+        return build_optimizer(spec, [{"params": g} for g in groups])
+    cls = _client_class(state)
+    return cls([{"params": g, **_arguments(cls, saved)} for g, saved in zip(groups, state.groups)])
 
 
-def _inferred_spec(state: DeepSpeedState) -> Dict[str, Any]:
-    """Without an optimizer block (a client optimizer), Adam's states and param groups tell
-    Adam from AdamW; anything else cannot be rebuilt."""
-    group = state.groups[0] if state.groups else {}
-    keys = {k for p in state.params.values() for k in p.states}
-    if keys == {"exp_avg", "exp_avg_sq"}:
-        decoupled = group.get("decoupled_weight_decay", True)
-        return {"type": "AdamW" if decoupled else "Adam", "params": {"torch_adam": True}}
-    raise NotImplementedError(
-        f"{state.tag_dir}: the DeepSpeed config has no optimizer block (the optimizer was "
-        f"passed to initialize) and its states {sorted(keys)} are not Adam's; only Adam/AdamW "
-        "client optimizers can be rebuilt. Add the optimizer to the config and save again.")
+def _client_class(state: DeepSpeedState) -> type:
+    """The ``torch.optim`` class of a client optimizer: each class has its own set of
+    param-group keys (the largest set the saved groups hold wins); Adam and AdamW share
+    theirs and differ by ``decoupled_weight_decay``."""
+    saved = set(state.groups[0]) if state.groups else set()
+    fits = {name: keys for name, keys in _group_keys().items() if keys <= saved}
+    if not fits:
+        raise NotImplementedError(
+            f"{state.tag_dir}: the DeepSpeed config has no optimizer block (the optimizer was "
+            f"passed to initialize) and its param groups' keys {sorted(saved)} are not those "
+            "of any torch.optim class. Add the optimizer to the config and save again.")
+    most = max(len(keys) for keys in fits.values())
+    names = sorted(name for name, keys in fits.items() if len(keys) == most)
+    if {"Adam", "AdamW"} <= set(names):
+        decoupled = bool(state.groups[0].get("decoupled_weight_decay"))
+        names = ["AdamW" if decoupled else "Adam"]
+    return getattr(torch.optim, names[0])
+
+
+def _group_keys() -> Dict[str, frozenset]:
+    """Each ``torch.optim`` class's param-group keys, read off an instance over one tensor."""
+    out = {}
+    probe = torch.zeros(2, 2, requires_grad=True)
+    for name in dir(torch.optim):
+        cls = getattr(torch.optim, name)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) \
+                and cls is not torch.optim.Optimizer:
+            try:
+                group = cls([probe]).param_groups[0]
+            except (TypeError, ValueError, RuntimeError):  # a class that needs more to build
+                continue
+            out[name] = frozenset(group) - {"params"}
+    return out
+
+
+def _arguments(cls: type, saved: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved param group's hyperparameters as the class takes them (tuples stay tuples)."""
+    defaults = cls([torch.zeros(1, requires_grad=True)]).defaults
+    return {k: tuple(v) if isinstance(defaults.get(k), tuple) else v
+            for k, v in saved.items() if k in defaults}
 
 
 def _set_hyperparameters(state: DeepSpeedState, optimizer: torch.optim.Optimizer) -> None:
@@ -211,18 +250,11 @@ def _param_state(p: TrainedParam) -> Dict[str, Any]:
     return out
 
 
-def _scheduler(state: DeepSpeedState, optimizer: torch.optim.Optimizer) -> Any:
-    spec = state.config.get("scheduler")
-    if spec is None:
-        if state.lr_scheduler is not None:
-            logger.warning("import_deepspeed: %s has scheduler state but its config no "
-                           "scheduler block (a scheduler passed to initialize); it is not "
-                           "carried over.", state.tag_dir)
-        return None
-    scheduler = build_scheduler(spec, optimizer)
-    if state.lr_scheduler is not None:
-        scheduler.load_state_dict(state.lr_scheduler)
-    return scheduler
+def _scheduler(state: DeepSpeedState) -> Optional[UnnamedScheduler]:
+    """DeepSpeed's scheduler state, under no class: DeepSpeed saves a scheduler's bare state
+    dict, and the one that ran may have been passed to ``initialize`` (which DeepSpeed prefers
+    to the config's block), so the config cannot say which class it was."""
+    return None if state.lr_scheduler is None else UnnamedScheduler(state.lr_scheduler)
 
 
 def _loss_scaler(saved: Dict[str, Any]) -> LossScaler:

@@ -23,7 +23,19 @@ from ._engine_state import Trainable
 from ._format import FORMAT, FORMAT_VERSION, Piece, dtype_name, encode
 
 
-__all__ = ["describe", "elementwise"]
+__all__ = ["UnnamedScheduler", "describe", "elementwise"]
+
+
+class UnnamedScheduler:
+    """A scheduler's state whose class is not known: DeepSpeed saves a scheduler passed to
+    ``initialize`` as its bare state dict. meta.json records its class as null, and a load
+    gives the state to the engine's scheduler whatever its class, when the keys agree."""
+
+    def __init__(self, state: Dict[str, Any]):
+        self._state = state
+
+    def state_dict(self) -> Dict[str, Any]:
+        return dict(self._state)
 
 
 def elementwise(value: Any, tensor: torch.Tensor) -> bool:
@@ -103,7 +115,8 @@ def _scheduler_meta(parts: TrainingParts) -> Optional[Dict[str, Any]]:
     sched = engine_state.lr_scheduler(parts)
     if sched is None or not hasattr(sched, "state_dict"):
         return None
-    return {"class": type(sched).__name__,
+    name = None if isinstance(sched, UnnamedScheduler) else type(sched).__name__
+    return {"class": name,
             "state": encode(sched.state_dict(), f"{type(sched).__name__}.state_dict()")}
 
 

@@ -57,7 +57,8 @@ class CheckpointConfig(_ConfigModel):
     tag_validation: Annotated[str, BeforeValidator(_tag_validation_value)] = Field(
         "Warn", description="tags differing across ranks: Warn, Ignore or Fail (any case)")
     load_universal: _Bool = Field(
-        False, description="load_checkpoint also takes a DeepSpeed checkpoint (universal or not), converted on the way")
+        False, description="a DeepSpeed checkpoint directory loads the tag latest_universal names "
+                           "(else latest's), converted on the way")
     use_node_local_storage: _Bool = Field(False, description="every node saves to local storage")
     parallel_write: CheckpointParallelWriteConfig = Field(default_factory=CheckpointParallelWriteConfig,
                                                           description="parallel writing")
