@@ -7,7 +7,10 @@ one process group per ZeRO stage (``test_compat_dist.py``), against single-proce
 * ``deepspeed.utils.safe_get_full_*`` / ``safe_set_full_*`` and the ``_local_`` variants;
 * ``deepspeed.comm`` on the world and on a new group;
 * DeepSpeed's optimizer attributes (``overflow``, ``cur_scale``), the config as a dict, module
-  attributes through the engine, nested ``no_sync``, ``destroy()``, ``empty_partition_cache()``.
+  attributes through the engine, nested ``no_sync``, ``destroy()``, ``empty_partition_cache()``;
+* what DeepSpeed's own unit tests rely on: safe_get_full_grad inside several ``no_sync()``
+  blocks, the exceptions of misplaced calls, ``ignore_unused_parameters: false``,
+  ``checkpoint.tag_validation: "Fail"``, OneCycle's momentum through the engine.
 """
 from __future__ import annotations
 
@@ -88,11 +91,12 @@ def safe_get_set(rank: int, world: int) -> Dict[str, Any]:
         got: Dict[str, Any] = {}
         loss = F.cross_entropy(engine(x[0, 0, rank]).float(), y[0, 0, rank])
         engine.backward(loss)
-        try:  # mid-accumulation: no averaged gradient exists yet
-            dsu.safe_get_full_grad(named["fc1.weight"])
+        try:  # mid-accumulation: this rank's gradient so far (stages 0-1), none at 2-3
+            got["mid"] = dsu.safe_get_full_grad(named["fc1.weight"]).cpu()
+            got["mid_local"] = dsu.safe_get_local_grad(named["fc1.weight"]).cpu()
             got["mid_error"] = None
-        except RuntimeError as err:
-            got["mid_error"] = str(err)
+        except ValueError as err:  # DeepSpeed's class; shardtrain's is also a RuntimeError
+            got["mid_error"] = (type(err).__name__, isinstance(err, RuntimeError), str(err))
         engine.step()
         loss = F.cross_entropy(engine(x[0, 1, rank]).float(), y[0, 1, rank])
         engine.backward(loss)
@@ -167,7 +171,7 @@ def engine_surface(rank: int, world: int) -> Dict[str, Any]:
                 with engine.no_sync():
                     pass
                 out["nested"] = None
-            except RuntimeError as err:
+            except AssertionError as err:  # DeepSpeed's class (and a RuntimeError)
                 out["nested"] = str(err)
     out["flags_initial"] = (engine.optimizer.overflow, engine.optimizer.cur_scale,
                             engine.optimizer.loss_scale)
@@ -232,15 +236,128 @@ def stage3_partition_cache(rank: int, world: int) -> Dict[str, Any]:
             "state": None if state is None else sorted(state)}
 
 
+def _local_reference(data, rank: int, micro_steps: int) -> Dict[str, torch.Tensor]:
+    """This rank's gradient summed over its first ``micro_steps`` micro-batches of step 0,
+    each divided by GAS: DeepSpeed's ``param.grad`` before the boundary, one process."""
+    model = ce.make_model()
+    x, y = data
+    for k in range(micro_steps):
+        (F.cross_entropy(model(x[0, k, rank]), y[0, k, rank]) / GAS).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def no_sync_contexts(rank: int, world: int) -> Dict[str, Any]:
+    """DeepSpeed's own no_sync checks: several no_sync() blocks, each backward followed by
+    safe_get_full_grad (this rank's gradient accumulated so far), zero_grad between them and
+    the same again; step() inside no_sync(), nested blocks, and no_sync at stages 2-3 raise
+    what DeepSpeed raises (AssertionError)."""
+    data = ce.make_data(STEPS, GAS, world, MICRO)
+    x, y = data
+    engine = ce.engine_for(ce.make_model(), config())
+    named = dict(engine.module.named_parameters())
+    out: Dict[str, Any] = {"refs": [_local_reference(data, rank, k + 1) for k in range(GAS)]}
+    rounds = []
+    try:
+        for _ in range(2):
+            seen = []
+            for k in range(GAS):
+                with engine.no_sync():
+                    loss = F.cross_entropy(engine(x[0, k, rank]).float(), y[0, k, rank])
+                    engine.backward(loss)
+                    seen.append({n: dsu.safe_get_full_grad(p).cpu() for n, p in named.items()})
+            rounds.append(seen)
+            engine.zero_grad()
+        out["rounds"] = rounds
+        with engine.no_sync():
+            for what, call in (("step", engine.step), ("nested", engine.no_sync().__enter__)):
+                try:
+                    call()
+                    out[what] = None
+                except AssertionError as err:
+                    out[what] = (type(err).__name__, isinstance(err, RuntimeError), str(err))
+    except AssertionError as err:  # stages 2-3: no_sync itself is refused
+        out["refused"] = (type(err).__name__, isinstance(err, RuntimeError), str(err))
+    return out
+
+
+def unused_parameters(rank: int, world: int) -> Dict[str, Any]:
+    """zero_optimization.ignore_unused_parameters false: a step where a trainable parameter
+    got no gradient on any rank raises on every rank, naming it; one used on one rank only
+    is used; with the default the same model trains."""
+    x, y = ce.make_data(STEPS, GAS, world, MICRO)
+    out: Dict[str, Any] = {}
+    runs = [("strict", False, -1), ("one_rank", False, 0), ("default", True, -1)]
+    if ce.STAGE == 3:  # stage 3 gathers each module with a collective: every rank runs `mid`
+        runs.remove(("one_rank", False, 0))
+    for name, ignore, skip_rank in runs:
+        engine = ce.engine_for(ce.make_model(unused=True), config(zero_optimization={
+            "ignore_unused_parameters": ignore}))
+        try:
+            for k in range(GAS):
+                skip = rank == skip_rank  # this rank leaves `mid` out of its forward
+                out_k = engine(x[0, k, rank], skip_mid=True) if skip else engine(x[0, k, rank])
+                engine.backward(F.cross_entropy(out_k.float(), y[0, k, rank]))
+                engine.step()
+            out[name] = {"steps": engine.global_steps, "error": None}
+        except AssertionError as err:
+            out[name] = {"steps": engine.global_steps, "error": (
+                type(err).__name__, isinstance(err, RuntimeError), str(err))}
+        engine.destroy()
+    return out
+
+
+def one_cycle_momentum(rank: int, world: int) -> Dict[str, Any]:
+    """OneCycle with cycle_momentum through the engine: the scheduler's get_mom() and the
+    optimizer's betas before each step, as DeepSpeed gives them."""
+    engine, _, _, scheduler = shardtrain.initialize(model=ce.make_model(), config=config(
+        gas=1, scheduler={"type": "OneCycle", "params": {
+            "cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_min_mom": 0.08,
+            "cycle_max_mom": 0.09, "decay_mom_rate": 1e-3, "cycle_first_step_size": 4,
+            "decay_step_size": 4}}))
+    x, y = ce.make_data(12, 1, world, MICRO)
+    rows = []
+    for s in range(12):
+        rows.append((scheduler.get_mom(), [tuple(g["betas"]) for g in engine.optimizer.param_groups]))
+        engine.backward(F.cross_entropy(engine(x[s, 0, rank]).float(), y[s, 0, rank]))
+        engine.step()
+    return {"rows": rows}
+
+
+def tag_validation(rank: int, world: int) -> Dict[str, Any]:
+    """Ranks passing different tags: "Fail" raises on every rank and writes nothing (the
+    class DeepSpeed raises, AssertionError, and ValueError); "Warn" saves rank 0's tag."""
+    import os
+    import tempfile
+    root = comm.broadcast_object(tempfile.mkdtemp() if rank == 0 else None)
+    out: Dict[str, Any] = {}
+    for mode in ("Fail", "Warn"):
+        engine = ce.engine_for(ce.make_model(), config(checkpoint={"tag_validation": mode}))
+        save_dir = os.path.join(root, mode)
+        try:
+            engine.save_checkpoint(save_dir, tag=f"tag-of-rank-{rank}")
+            out[mode] = {"error": None}
+        except AssertionError as err:
+            out[mode] = {"error": (type(err).__name__, isinstance(err, ValueError), str(err))}
+        comm.barrier()
+        out[mode]["written"] = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+        engine.destroy()
+    comm.barrier()
+    return out
+
+
 def run_all(rank: int, world_size: int, stage: int) -> Dict[str, Any]:
     ce.STAGE = stage
     out = {"in_place": guarded(lambda: in_place_loss(rank, world_size)),
            "safe": guarded(lambda: safe_get_set(rank, world_size)),
            "surface": guarded(lambda: engine_surface(rank, world_size)),
            "fp16_flags": guarded(lambda: fp16_overflow_flags(rank, world_size)),
-           "destroy": guarded(lambda: destroy_then_train_again(rank, world_size))}
+           "destroy": guarded(lambda: destroy_then_train_again(rank, world_size)),
+           "no_sync": guarded(lambda: no_sync_contexts(rank, world_size)),
+           "unused": guarded(lambda: unused_parameters(rank, world_size))}
     if stage == 0:
         out["comm"] = guarded(lambda: comm_passthrough(rank, world_size))
+        out["one_cycle"] = guarded(lambda: one_cycle_momentum(rank, world_size))
+        out["tag_validation"] = guarded(lambda: tag_validation(rank, world_size))
     if stage == 3:
         out["partition_cache"] = guarded(lambda: stage3_partition_cache(rank, world_size))
     comm.barrier()

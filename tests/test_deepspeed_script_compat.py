@@ -159,8 +159,8 @@ API: List[Api] = [
         "same arguments, same `(engine, optimizer, dataloader, lr_scheduler)`; `args.deepspeed_config` "
         "(or the deprecated `deepscale_config`), `config=` or `config_params=`. `mpu=` brings the "
         "caller's data- and model-parallel groups; `mesh_param` raises NotImplementedError (the "
-        "config's sizes build the mesh). Two configs at once is a ValueError (DeepSpeed: "
-        "AssertionError)"),
+        "config's sizes build the mesh). No model, no config or two configs at once: "
+        "`InitializeError`, a `ValueError` and, as DeepSpeed's, an `AssertionError`"),
     Api("init_distributed", "supported",
         "DeepSpeed's signature; joins from torchrun's, SLURM's or OpenMPI's variables (no mpi4py), "
         "adopts an initialised group, a world of one without a launcher"),
@@ -232,8 +232,10 @@ API: List[Api] = [
         "slice: call it on every rank"),
     Api("utils.safe_get_full_grad", "differs",
         "the full averaged gradient between the backward of an accumulation boundary and "
-        "`step()`, **unscaled** (DeepSpeed returns it times the fp16 loss scale); a RuntimeError "
-        "naming the micro-step elsewhere"),
+        "`step()`, **unscaled** (DeepSpeed returns it times the fp16 loss scale); before the "
+        "boundary and inside `no_sync()`, at stages 0-1, this rank's gradient accumulated so "
+        "far, as DeepSpeed's; at stages 2-3 there a `GradientsUnavailableError` (a `ValueError`, "
+        "as DeepSpeed's stage 2 raises)"),
     Api("utils.safe_get_full_optimizer_state", "supported", "`(param, \"exp_avg\")`, ..."),
     Api("utils.safe_set_full_fp32_param", "supported", "master and module weight, every rank"),
     Api("utils.safe_set_full_grad", "supported", "replaces the gradient `step()` applies (unscaled)"),
@@ -328,8 +330,9 @@ API: List[Api] = [
         "`loss.backward()` gives the same gradients at every stage (DeepSpeed: stages 1-3)"),
     Api("Engine.step", "supported", "`step(lr_kwargs=None)`; updates at the accumulation boundary"),
     Api("Engine.zero_grad", "supported", ""),
-    Api("Engine.no_sync", "supported", "stages 0-1; refused at 2-3 (RuntimeError), and nested "
-        "blocks refused, as in DeepSpeed"),
+    Api("Engine.no_sync", "supported", "stages 0-1; refused at 2-3, nested blocks and `step()` "
+        "inside refused, as in DeepSpeed, with `StepOrderError` (an `AssertionError`, as "
+        "DeepSpeed's, and a `RuntimeError`)"),
     Api("Engine.train", "supported", ""),
     Api("Engine.eval", "supported", ""),
     Api("Engine.is_gradient_accumulation_boundary", "supported", ""),

@@ -19,10 +19,11 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from . import accelerator, checkpointing, comm, utils, zero
+from . import accelerator, checkpointing, comm, errors, utils, zero
 from .comm import destroy, init_distributed
 from .config import ConfigError, ShardConfig, load_config
 from .engine import Engine
+from .errors import InitializeError
 from .log import log_dist, log_dist_once
 from .pretrained import load_pretrained
 
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
     "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm", "accelerator",
-    "zero", "checkpointing", "utils", "load_pretrained", "__version__",
+    "zero", "checkpointing", "utils", "errors", "load_pretrained", "__version__",
 ]
 
 
@@ -73,7 +74,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
         ...                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     """
     if model is None:
-        raise ValueError("initialize() needs model=: the torch.nn.Module to train.")
+        raise InitializeError("initialize() needs model=: the torch.nn.Module to train.")
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=...): set the mesh in the config "
                                   "instead (tensor_parallel.autotp_size, "
@@ -99,12 +100,12 @@ def _resolve_config_source(args, config, config_params):
     if from_args is None and args is not None:
         from_args = getattr(args, "deepscale_config", None)
     if from_args is not None and config is not None:
-        raise ValueError("Two configs were given: --deepspeed_config on the command line and "
-                         "config= in initialize(); keep one.")
+        raise InitializeError("Two configs were given: --deepspeed_config on the command line and "
+                              "config= in initialize(); keep one.")
     config = config if config is not None else from_args
     if config is None:
-        raise ValueError("initialize() needs a config: pass config=<dict or path to JSON>, or "
-                         "--deepspeed_config <path> with args=.")
+        raise InitializeError("initialize() needs a config: pass config=<dict or path to JSON>, "
+                              "or --deepspeed_config <path> with args=.")
     return config
 
 

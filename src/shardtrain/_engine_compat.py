@@ -178,6 +178,11 @@ class DeepSpeedEngineAPI:
         return self.mesh.sp.size()
 
     @property
+    def inside_no_sync_ctxt(self) -> bool:
+        """Whether a ``no_sync()`` block is active (DeepSpeed's attribute)."""
+        return self._no_sync
+
+    @property
     def mp_world_size(self) -> int:
         """DeepSpeed's attribute: ranks each layer is split over (tensor parallelism)."""
         return self.mesh.tp.size()

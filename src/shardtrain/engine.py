@@ -24,6 +24,7 @@ from ._bounds import CollectiveBounds
 from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
+from .errors import GradientsUnavailableError, StepOrderError, UnusedParametersError
 from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .memory import count_bytes
@@ -342,12 +343,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         a full gradient, and accumulating locally would need exactly that.
         """
         if not self._strategy.supports_no_sync:
-            raise RuntimeError(
+            raise StepOrderError(
                 f"engine.no_sync() is not available at ZeRO stage {self._strategy.stage}: "
                 "gradients are reduce-scattered every micro-step so that no rank holds a full "
                 "gradient. Use gradient_accumulation_steps instead, or ZeRO stage 0 or 1.")
         if self._no_sync:
-            raise RuntimeError("engine.no_sync() is already active: no_sync() blocks do not "
+            raise StepOrderError("engine.no_sync() is already active: no_sync() blocks do not "
                                "nest (DeepSpeed refuses it too); leave the outer block first.")
         self._no_sync = True
         try:
@@ -361,8 +362,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Counts a micro-step; at the accumulation boundary also updates the parameters."""
         self._require_optimizer("step")
         if self._no_sync:
-            raise RuntimeError("engine.step() was called inside engine.no_sync(): leave the "
-                               "no_sync() block for the last micro-batch before stepping.")
+            raise StepOrderError("engine.step() was called inside engine.no_sync(): leave the "
+                                 "no_sync() block for the last micro-batch before stepping.")
         with accelerator.range("shardtrain.step"):
             self._step_applied = False
             with self._in_phase(Phase.STEP):
@@ -386,6 +387,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
         self._watch.step_begin()
         grads = self._reduced_grads()
+        if not self.config.zero_optimization.ignore_unused_parameters:
+            self._check_unused_parameters()
         if comm.check_mode() != "off":  # before the update: a diverged rank changes nothing
             comm.check_agreement(f"at step {self.global_steps + 1}")
         self._watch.lap("reduce")  # the gradient reduction still in flight has landed
@@ -477,12 +480,52 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             RuntimeError: off an accumulation boundary, or before any backward of this step.
         """
         if not self.is_gradient_accumulation_boundary() or self._no_sync:
-            raise RuntimeError(f"{what}: the averaged gradients exist between the backward of an "
-                               f"accumulation boundary and step(); micro-step {self.micro_steps} "
-                               f"is not a boundary (or no_sync() is active).")
+            raise GradientsUnavailableError(
+                f"{what}: the averaged gradients exist between the backward of an accumulation "
+                f"boundary and step(); micro-step {self.micro_steps} is not a boundary (or "
+                "no_sync() is active).")
         if self._step_grads is None and self._backward_calls == 0:
-            raise RuntimeError(f"{what}: no backward has run since the last step.")
+            raise GradientsUnavailableError(f"{what}: no backward has run since the last step.")
         return self._reduced_grads()
+
+    def accumulated_gradient(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """This rank's gradient of ``param`` accumulated since the last step and not averaged
+        across ranks yet (off the accumulation boundary, or inside ``no_sync()``), as
+        DeepSpeed's ``param.grad`` is then: fp32, without the fp16 loss scale, divided by
+        ``gradient_accumulation_steps``. None when ``param`` has got no gradient.
+
+        Raises:
+            GradientsUnavailableError: at ZeRO stages 2-3, where gradients are reduce-scattered
+                every micro-step and no rank keeps a full one (DeepSpeed raises there too), or
+                once this step's gradients are averaged (:meth:`reduced_gradients` has them).
+        """
+        if not self._strategy.supports_no_sync:
+            raise GradientsUnavailableError(
+                f"the gradient accumulated before the boundary is not kept at ZeRO stage "
+                f"{self._strategy.stage}: each micro-step's gradients are reduce-scattered. Read "
+                "gradients between the boundary's backward and step(), or use stage 0 or 1.")
+        if self._step_grads is not None:
+            raise GradientsUnavailableError("this step's gradients are averaged already: "
+                                            "read them with engine.reduced_gradients().")
+        grad = self._strategy.accumulated_grad(param)
+        if grad is None:
+            return None
+        factor = 1.0 / (self._scaler.scale * self.gradient_accumulation_steps())
+        return grad.detach().float() * factor
+
+    def _check_unused_parameters(self) -> None:
+        """``ignore_unused_parameters: false``: every trainable parameter must have got a
+        gradient on some rank this step (the same answer on every rank: it comes from the
+        reduced used-flags)."""
+        unused = set(map(id, self._strategy.unused_params()))
+        if not unused:
+            return
+        names = [n for n, p in self.module.named_parameters() if id(p) in unused]
+        raise UnusedParametersError(
+            f"step {self.global_steps + 1}: the trainable parameter(s) {names} got no gradient "
+            "on any rank, and zero_optimization.ignore_unused_parameters is false. Make every "
+            "trainable parameter take part in the loss, freeze the unused ones "
+            "(requires_grad_(False)), or set ignore_unused_parameters to true.")
 
     def _publish_optimizer_flags(self, overflow: bool) -> None:
         """DeepSpeed's optimizer wrappers carry ``overflow`` and the loss scale; scripts and

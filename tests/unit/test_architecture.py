@@ -129,4 +129,4 @@ def test_public_api_is_frozen():
     assert sorted(shardtrain.__all__) == sorted([
         "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
         "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm",
-        "accelerator", "zero", "checkpointing", "utils", "load_pretrained", "__version__"])
+        "accelerator", "zero", "checkpointing", "utils", "errors", "load_pretrained", "__version__"])

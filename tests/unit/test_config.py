@@ -312,7 +312,6 @@ PLANNED_CASES = {
     "zero_optimization.zenflow": {"topk_ratio": 0.1},
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": True,
     "zero_optimization.stage3_allgather_sequential": True,
-    "zero_optimization.ignore_unused_parameters": False,
     "zero_optimization.legacy_stage1": True,
     "zero_optimization.parameter_alignment": True,
     "zero_optimization.pipeline_loading_checkpoint": True,

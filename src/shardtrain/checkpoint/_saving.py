@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from .. import comm
 from ..state import TrainingParts
 from .._fileio import atomic_path, fsync_dir, write_synced
+from ..errors import CheckpointTagError
 from ..log import logger
 from . import _background as background
 from . import _engine_state as engine_state
@@ -90,7 +91,7 @@ def _agreed_tag(parts: TrainingParts, tag: Optional[str]) -> str:
         message = (f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; rank 0's "
                    f"{tags[0]!r} is used. Pass the same tag on every rank.")
         if mode == "Fail":
-            raise ValueError(message + " (checkpoint.tag_validation is Fail)")
+            raise CheckpointTagError(message + " (checkpoint.tag_validation is Fail)")
         if mode == "Warn":
             logger.warning(message)
     tag = tags[0]

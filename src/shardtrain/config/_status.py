@@ -60,7 +60,6 @@ PLANNED: Dict[str, str] = {
 STAGE_TUNING_KEYS: Dict[str, str] = {
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "ZeRO-3 parameter fetching",
     "zero_optimization.stage3_allgather_sequential": "ZeRO-3 parameter fetching",
-    "zero_optimization.ignore_unused_parameters": "refusing unused parameters (they are always allowed)",
     "zero_optimization.legacy_stage1": "the legacy stage-1 implementation",
     "zero_optimization.parameter_alignment": "aligned ZeRO partitions",
     "zero_optimization.pipeline_loading_checkpoint": "ZeRO-3 pipelined checkpoint loading",

@@ -146,7 +146,9 @@ class ZeroConfig(_ConfigModel):
                                                   description="fetch parameters with all-reduce (stage 3)")
     allgather_sequential: _Bool = Field(False, alias="stage3_allgather_sequential",
                                        description="all-gather parameters one by one (stage 3)")
-    ignore_unused_parameters: _Bool = Field(True, description="tolerate parameters without gradients (stage 2)")
+    ignore_unused_parameters: _Bool = Field(
+        True, description="false: a step in which a trainable parameter got no gradient on any rank raises, "
+                          "naming it (any stage)")
     legacy_stage1: _Bool = Field(False, description="old stage-1 implementation")
     round_robin_gradients: _Bool = Field(False, description="round-robin gradient copies with CPU offload")
     parameter_alignment: _Bool = Field(False, description="align parameter partitions")

@@ -105,10 +105,13 @@ class OneCycle(_StepSchedule):
         if t < 0:
             return list(self.min_moms)
         if t < self.total_size:
-            s = self._scale(t)
-            return [hi - (hi - lo) * s for lo, hi in zip(self.min_moms, self.max_moms)]
+            return self._cycle_mom(t)
         factor = self._decay_factor(t, self.decay_mom_rate)
         return [hi * factor for hi in self.max_moms]
+
+    def _cycle_mom(self, t: int) -> List[float]:
+        s = self._scale(t)
+        return [hi - (hi - lo) * s for lo, hi in zip(self.min_moms, self.max_moms)]
 
     def _apply(self, t: int) -> None:
         super()._apply(t)
@@ -117,10 +120,15 @@ class OneCycle(_StepSchedule):
                 group["betas"] = (beta1, _ONECYCLE_BETA2)
 
     def get_mom(self) -> Optional[List[Tuple[float, float]]]:
-        """Current ``betas`` of every group, or None when momentum is not cycled."""
+        """Every group's ``betas`` for the iteration the schedule is at, or None when momentum
+        is not cycled. As DeepSpeed's, it follows the cycle's formula even before the first
+        step (``cycle_max_mom``), while construction wrote ``cycle_min_mom`` into the
+        optimizer; from the first step on the two agree."""
         if not self.cycle_momentum:
             return None
-        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+        t = self.last_batch_iteration
+        moms = self._mom_at(t) if t >= 0 else self._cycle_mom(t)
+        return [(m, _ONECYCLE_BETA2) for m in moms]
 
 
 class LRRangeTest(_StepSchedule):

@@ -283,6 +283,14 @@ class FullGrads:
         for bucket, flight in self.queue.drain():
             self.exchange.land(bucket, flight.wait(), post)
 
+    def accumulated(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """This rank's gradient of ``param`` summed over the backward passes since the last
+        step, before any averaging; None when it has none or its bucket was reduced."""
+        bucket, index = self.queue.locate(param)
+        if bucket.launched or not bucket.used[index]:
+            return None
+        return bucket.views[index]
+
     def zero(self) -> None:
         for bucket in self.queue.buckets:
             bucket.reset()

@@ -71,6 +71,14 @@ class StrategyProtocol(Protocol):
     def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
         """Finishes the reduction; the optimizer's tensors get their averaged gradients."""
 
+    def accumulated_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """This rank's full gradient of ``param`` summed since the last step, not averaged
+        yet (stages 0-1, before the boundary's reduction); None where there is none."""
+
+    def unused_params(self) -> List[torch.nn.Parameter]:
+        """The trainable parameters no rank produced a gradient for this step (after
+        :meth:`optimizer_grads`)."""
+
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The norm of the whole model's gradient, the same on every rank."""
 
@@ -140,6 +148,7 @@ class Strategy:
         self._gatherer = gatherer
         self._schedule = schedule
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._unused: List[torch.nn.Parameter] = []  # no rank's gradient in the last reduction
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -187,7 +196,17 @@ class Strategy:
     # -- the step -----------------------------------------------------------------------------
 
     def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
-        return self._view.load_grads(self._grads.grads(accumulation_steps))
+        per_param = self._grads.grads(accumulation_steps)
+        self._unused = [p for p, g in zip(self.params, per_param) if g is None]
+        return self._view.load_grads(per_param)
+
+    def unused_params(self) -> List[torch.nn.Parameter]:
+        return list(self._unused)
+
+    def accumulated_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        if not isinstance(self._grads, FullGrads):
+            return None  # stages 2-3 reduce-scatter every micro-step: no rank keeps it whole
+        return self._grads.accumulated(param)
 
     def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
         return coll.global_norm(grads, device, self._norm_groups(), self._view.split_grads())

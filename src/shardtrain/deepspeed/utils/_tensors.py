@@ -3,10 +3,13 @@ whose fp32 master, gradient and optimizer states are sharded across ranks.
 
 Each full value is assembled from every rank's slice (a collective: call it on every rank,
 for the same parameters in the same order); the ``*_local_*`` variants return or set this
-rank's slice only (1-D; empty where the rank holds nothing of the parameter). Gradients
-exist between the backward of an accumulation boundary and ``engine.step()``; they are the
-averaged gradients the optimizer will see, unscaled (without the fp16 loss scale).
-A parameter no engine trains gives None, as in DeepSpeed.
+rank's slice only (1-D; empty where the rank holds nothing of the parameter). Between the
+backward of an accumulation boundary and ``engine.step()`` a gradient is the averaged one the
+optimizer will see, unscaled (without the fp16 loss scale). Before the boundary and inside
+``no_sync()``, at ZeRO stages 0-1, it is this rank's gradient accumulated so far, as
+DeepSpeed's ``param.grad`` is then (no collective: the ranks' values differ); stages 2-3 keep
+none and raise, as DeepSpeed's stage 2 does. A parameter no engine trains gives None, as in
+DeepSpeed.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ def _local(engine: Engine, slot, kind: str, key: Optional[str] = None) -> torch.
     if kind == "param":
         value = slot.tensor
     elif kind == "grad":
+        if not _averaged(engine):
+            return _accumulated(engine, slot)[slot.lo:slot.hi]
         engine.reduced_gradients(f"safe_get_{'full' if slot.sharded else 'local'}_grad")
         value = slot.tensor.grad
         if value is None:
@@ -51,9 +56,25 @@ def _local(engine: Engine, slot, kind: str, key: Optional[str] = None) -> torch.
     return value.detach().reshape(-1).to(engine.device, torch.float32)
 
 
+def _averaged(engine: Engine) -> bool:
+    """Whether the gradients asked for are the boundary's averaged ones (else this rank's
+    accumulated so far)."""
+    return engine.is_gradient_accumulation_boundary() and not engine.inside_no_sync_ctxt
+
+
+def _accumulated(engine: Engine, slot) -> torch.Tensor:
+    """This rank's whole gradient accumulated so far (1-D; zeros before any)."""
+    grad = engine.accumulated_gradient(slot.param)
+    if grad is None:
+        return torch.zeros(slot.numel, dtype=torch.float32, device=engine.device)
+    return grad.reshape(-1).to(engine.device)
+
+
 def _full(engine: Engine, slot, param, kind: str, key: Optional[str] = None) -> torch.Tensor:
-    local = _local(engine, slot, kind, key)
     shape = getattr(param, "ds_shape", param.shape)
+    if kind == "grad" and not _averaged(engine):
+        return _accumulated(engine, slot).clone().reshape(shape)  # whole on each rank already
+    local = _local(engine, slot, kind, key)
     if not slot.sharded:
         return local.clone().reshape(shape)
     full = torch.zeros(slot.numel, dtype=torch.float32, device=engine.device)
