@@ -77,6 +77,18 @@ def test_what_is_not_provided_says_so_where_it_is_used():
         _ = deepspeed.no_such_name
 
 
+def test_constants_by_deepspeeds_paths():
+    cl.require_alias()
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+    from deepspeed.runtime.config import ADAM_OPTIMIZER, GRADIENT_CLIPPING
+    from deepspeed.runtime.lr_schedules import WARMUP_MIN_LR
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from shardtrain.checkpoint import _deepspeed_keys
+    assert (ADAM_OPTIMIZER, GRADIENT_CLIPPING, WARMUP_MIN_LR) == ("adam", "gradient_clipping", "warmup_min_lr")
+    assert OPTIMIZER_STATE_DICT is _deepspeed_keys.OPTIMIZER_STATE_DICT  # the importer's own key
+    assert ZeroStageEnum.weights == 3
+
+
 def test_the_wheel_installs_and_imports_in_a_fresh_interpreter(tmp_path):
     wheel = dist.build_wheel(tmp_path)
     assert wheel.name == f"deepspeed-{dist.alias_version()}-py3-none-any.whl"
