@@ -181,8 +181,14 @@ API: List[Api] = [
     Api("__version__", "differs", "`0.19.8+shardtrain.<shardtrain's version>`: version checks pass "
         "and the label says what it is"),
     Api("init_inference", "refused", "DeepSpeed-Inference: NotImplementedError naming it"),
-    Api("tp_model_init", "refused", "automatic tensor parallelism: NotImplementedError naming it"),
-    Api("PipelineModule", "refused", "pipeline parallelism: NotImplementedError naming it"),
+    Api("tp_model_init", "refused",
+        "AutoTP is applied by `initialize` from the config: NotImplementedError saying to drop the "
+        "call and set `tensor_parallel.autotp_size` to the size given ([parallelism.md](parallelism.md))"),
+    Api("set_autotp_mode", "supported",
+        "`training=True` changes nothing (shardtrain's AutoTP is the training one); "
+        "`training=False` (DeepSpeed-Inference's) raises NotImplementedError"),
+    Api("PipelineModule", "refused", "pipeline parallelism: NotImplementedError naming it, and ZeRO "
+        "stage 3 or tensor parallelism instead"),
     Api("DeepSpeedTransformerLayer", "refused", "DeepSpeed's fused kernels: NotImplementedError"),
     Api("add_tuning_arguments", "not provided", "LR range-test arguments; use the config's `scheduler` block"),
     # ZeRO-3 tools
@@ -244,6 +250,24 @@ API: List[Api] = [
     Api("runtime.zero.offload_config.OffloadDeviceEnum", "supported",
         "a `str` enum (`none`, `cpu`, `nvme`; NVMe offload is refused by the config); also "
         "`OffloadStateTypeEnum`"),
+    Api("runtime.pipe", "not provided",
+        "pipeline parallelism (`PipelineEngine`, `PipelineModule`, `topology.ProcessTopology`): "
+        "importing it raises ModuleNotFoundError naming it, with ZeRO stage 3 or tensor "
+        "parallelism instead; also `deepspeed.pipe`"),
+    Api("runtime.sequence_parallel", "not provided",
+        "DeepSpeed's Ulysses classes (`ulysses_sp.UlyssesSPAttentionHF`, "
+        "`UlyssesSPDataLoaderAdapter`): importing it raises ModuleNotFoundError pointing to "
+        "`sequence_parallel_size` in the config, which runs Ulysses "
+        "([parallelism.md](parallelism.md))"),
+    Api("sequence.layer.DistributedAttention", "not provided",
+        "the same ModuleNotFoundError: Ulysses comes from `sequence_parallel_size`"),
+    Api("runtime.tensor_parallel", "not provided",
+        "DeepSpeed's AutoTP internals: ModuleNotFoundError pointing to `tensor_parallel.autotp_size`"),
+    Api("module_inject.layers.set_autotp_mode", "supported", "as `set_autotp_mode`"),
+    Api("module_inject.layers.LinearLayer", "refused",
+        "DeepSpeed's AutoTP layer classes (also `LinearAllreduce`): `isinstance` is False, "
+        "construction raises NotImplementedError; the rest of `module_inject` raises "
+        "ModuleNotFoundError naming kernel injection"),
     Api("runtime.utils.move_to_device", "supported", ""),
     Api("runtime.utils.see_memory_usage", "supported", "logs allocated/reserved memory when `force`"),
     # helpers
@@ -279,7 +303,9 @@ API: List[Api] = [
         "`max_shard_size`) from a shardtrain checkpoint"),
     Api("utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", "differs", "from a shardtrain checkpoint"),
     Api("utils.groups", "not provided",
-        "model-, expert- and sequence-parallel groups: importing it raises ModuleNotFoundError naming that"),
+        "DeepSpeed's global registry of model-, expert- and sequence-parallel groups: importing it "
+        "raises ModuleNotFoundError pointing to the engine's groups, `engine.mpu` "
+        "(`get_{model,data,sequence}_parallel_{group,rank,world_size}()`) and `engine.mesh`"),
     Api("checkpoint.utils.clone_tensors_for_torch_save", "supported", ""),
     Api("checkpoint.constants.OPTIMIZER_STATE_DICT", "supported",
         "and every other key and file name of DeepSpeed's `checkpoint/constants.py` (`FP32_FLAT_GROUPS`, "
@@ -294,8 +320,9 @@ API: List[Api] = [
         "every node with `--node_rank`"),
     Api("moe.utils.split_params_into_different_moe_groups_for_optimizer", "differs",
         "returns the groups as given (no parameter is an expert-parallel one here)"),
-    Api("moe.layer.MoE", "not provided", "expert parallelism: a model's own MoE block trains at "
-        "stage 3 as a leaf module"),
+    Api("moe.layer.MoE", "not provided", "MoE with expert parallelism: importing `deepspeed.moe.layer` "
+        "(or `sharded_moe`, `experts`, ...) raises ModuleNotFoundError naming it; a model's own MoE "
+        "block trains at stage 3 as a leaf module"),
     Api("compression.helper.recursive_getattr", "supported", ""),
     Api("compression.helper.recursive_setattr", "supported", ""),
     Api("ops.adam.FusedAdam", "differs", "`torch.optim.Adam` with DeepSpeed's arguments (decoupled "
@@ -346,6 +373,10 @@ API: List[Api] = [
         "`device_name`, `current_device_name`, `set_device`, `device_count`, `is_available`, "
         "`synchronize`, `manual_seed_all`, `empty_cache`, memory queries, "
         "`communication_backend_name`, streams and events (CUDA), ..."),
+    Api("accelerator.set_accelerator", "differs",
+        "takes a `DeepSpeedAccelerator` (or an instance of a subclass; anything else is a "
+        "TypeError) and changes what `get_accelerator()` returns to scripts, not the device "
+        "shardtrain trains on"),
     # the engine: DeepSpeedEngine.X -> shardtrain.Engine.X (checked on an instance)
     Api("Engine.forward", "supported",
         "`engine(*inputs, **kwargs)`: inputs moved to the device and cast in bf16/fp16 mode; "
