@@ -67,8 +67,8 @@ def test_what_is_not_provided_says_so_where_it_is_used():
     with pytest.raises(ModuleNotFoundError, match="does not provide it"):
         import deepspeed.not_a_module  # noqa: F401
     # importing a stand-in works (libraries import eagerly); using it names the feature
-    with pytest.raises(NotImplementedError, match=r'tp_model_init\(tp_size=2\).*"tensor_parallel": '
-                                                  r'\{"autotp_size": 2\} in the config'):
+    with pytest.raises(NotImplementedError, match=r'tp_model_init\(tp_size=2\) without a config.*'
+                                                  r'"tensor_parallel": \{"autotp_size": 2\} in the config'):
         deepspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="DeepSpeedCPULion .the Lion optimizer"):
         from deepspeed.ops.lion import DeepSpeedCPULion
@@ -128,6 +128,17 @@ def test_autotp_and_accelerator_entry_points():
     with pytest.raises(NotImplementedError, match=r"training=False.*DeepSpeed-Inference.*autotp_size"):
         set_autotp_mode(training=False)
     assert not isinstance(torch.nn.Linear(2, 2), LinearLayer)
+    # the Hugging Face Trainer calls tp_model_init with the config it then gives initialize
+    model = torch.nn.Linear(2, 2)
+    config = {"bf16": {"enabled": True}, "tensor_parallel": {"autotp_size": 2}}
+    assert deepspeed.tp_model_init(model=model, tp_size=2, dtype=torch.bfloat16, config=config) is model
+    assert deepspeed.tp_model_init(model, 1, torch.float32) is model  # nothing to split
+    with pytest.raises(ValueError, match=r"tp_size=4\) disagrees with the config's tensor_parallel.autotp_size 2"):
+        deepspeed.tp_model_init(model, tp_size=4, dtype=torch.bfloat16, config=config)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16\) disagrees .* torch.bfloat16 \(bf16.enabled\)"):
+        deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float16, config=config)
+    with pytest.raises(NotImplementedError, match=r"tp_group=...\): shardtrain builds the tensor-parallel groups"):
+        deepspeed.tp_model_init(model, tp_size=2, config=config, tp_group=object())
     with pytest.raises(NotImplementedError, match=r"LinearLayer .DeepSpeed's AutoTP layer classes.*from_linear"):
         LinearLayer(torch.nn.Linear(2, 2), mp_group=None)
     mine = get_accelerator()

@@ -181,9 +181,12 @@ API: List[Api] = [
     Api("__version__", "differs", "`0.19.8+shardtrain.<shardtrain's version>`: version checks pass "
         "and the label says what it is"),
     Api("init_inference", "refused", "DeepSpeed-Inference: NotImplementedError naming it"),
-    Api("tp_model_init", "refused",
-        "AutoTP is applied by `initialize` from the config: NotImplementedError saying to drop the "
-        "call and set `tensor_parallel.autotp_size` to the size given ([parallelism.md](parallelism.md))"),
+    Api("tp_model_init", "differs",
+        "returns the model unchanged when its `config` asks for the same `tensor_parallel.autotp_size` "
+        "(and 16-bit dtype): `initialize` splits the model from that config, as the Hugging Face "
+        "Trainer's call expects; without such a config NotImplementedError gives the block to add, "
+        "a different size or dtype is a ValueError, `tp_group=` is refused "
+        "([parallelism.md](parallelism.md))"),
     Api("set_autotp_mode", "supported",
         "`training=True` changes nothing (shardtrain's AutoTP is the training one); "
         "`training=False` (DeepSpeed-Inference's) raises NotImplementedError"),
