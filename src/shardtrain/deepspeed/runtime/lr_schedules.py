@@ -1,8 +1,8 @@
 """``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules (shardtrain's own classes, in
 :mod:`shardtrain.optim`) and DeepSpeed 0.19.8's names for them and their parameters.
 
-The constants are the strings a ``scheduler`` block holds, so a config built from them is the
-config DeepSpeed reads, and shardtrain's schedules take the same keys:
+The constants are the strings a ``scheduler`` block holds: a config built from them is the
+config DeepSpeed reads, and shardtrain's schedules take the same keys.
 
 Example:
     >>> from deepspeed.runtime.lr_schedules import WARMUP_LR, WARMUP_MAX_LR, WARMUP_NUM_STEPS
