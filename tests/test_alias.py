@@ -67,7 +67,8 @@ def test_what_is_not_provided_says_so_where_it_is_used():
     with pytest.raises(ModuleNotFoundError, match="does not provide it"):
         import deepspeed.not_a_module  # noqa: F401
     # importing a stand-in works (libraries import eagerly); using it names the feature
-    with pytest.raises(NotImplementedError, match="tp_model_init .automatic tensor parallelism"):
+    with pytest.raises(NotImplementedError, match=r'tp_model_init\(tp_size=2\) without a config.*'
+                                                  r'"tensor_parallel": \{"autotp_size": 2\} in the config'):
         deepspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="DeepSpeedCPULion .the Lion optimizer"):
         from deepspeed.ops.lion import DeepSpeedCPULion
@@ -75,6 +76,97 @@ def test_what_is_not_provided_says_so_where_it_is_used():
     assert not isinstance(object(), deepspeed.PipelineModule)
     with pytest.raises(AttributeError):
         _ = deepspeed.no_such_name
+
+
+#: DeepSpeed modules that tests and libraries import for parallelism, with what each import
+#: must give: None when the module is there, else what the refusal must name (the feature,
+#: then what to do now)
+PARALLEL_MODULES = {
+    "deepspeed.runtime.pipe": r"pipeline parallelism.*Instead: ZeRO stage 3 .* or tensor parallelism",
+    "deepspeed.runtime.pipe.topology": r"pipeline parallelism \(.*ProcessTopology\)",
+    "deepspeed.pipe": "pipeline parallelism",
+    "deepspeed.moe.sharded_moe": r"MoE layer, gating and expert parallelism.*set_z3_leaf_modules",
+    "deepspeed.moe.layer": "MoE layer",
+    "deepspeed.moe.utils": None,
+    "deepspeed.module_inject": None,
+    "deepspeed.module_inject.layers": None,
+    "deepspeed.module_inject.auto_tp": r"kernel injection.*tensor_parallel.autotp_size",
+    "deepspeed.runtime.tensor_parallel": r"AutoTP internals.*tensor_parallel.autotp_size",
+    "deepspeed.runtime.sequence_parallel": r"Ulysses classes.*sequence_parallel_size",
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": r"UlyssesSPAttentionHF.*sequence_parallel_size",
+    "deepspeed.sequence.layer": r"DistributedAttention.*sequence_parallel_size",
+    "deepspeed.utils.groups": r"parallel groups. Instead: the engine's groups: engine.mpu",
+    "deepspeed.compile": r"DeepCompile. Instead: engine.compile\(\)",
+    "deepspeed.accelerator.real_accelerator": None,
+    "deepspeed.checkpoint.constants": None,
+    "deepspeed.runtime.constants": None,
+    "deepspeed.runtime.zero.config": None,
+    "deepspeed.runtime.zero.offload_config": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL_MODULES))
+def test_parallelism_modules_import_or_name_the_feature(name):
+    cl.require_alias()
+    import importlib
+    refusal = PARALLEL_MODULES[name]
+    if refusal is None:
+        assert importlib.import_module(name) is sys.modules["shardtrain" + "." + name]
+        return
+    with pytest.raises(ModuleNotFoundError, match=refusal) as err:
+        importlib.import_module(name)
+    assert name.startswith(err.value.name)
+
+
+def test_autotp_and_accelerator_entry_points():
+    cl.require_alias()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.module_inject.layers import LinearLayer, set_autotp_mode
+    set_autotp_mode(training=True)  # shardtrain's AutoTP is the training one: nothing to switch
+    assert deepspeed.set_autotp_mode is set_autotp_mode
+    with pytest.raises(NotImplementedError, match=r"training=False.*DeepSpeed-Inference.*autotp_size"):
+        set_autotp_mode(training=False)
+    assert not isinstance(torch.nn.Linear(2, 2), LinearLayer)
+    # the Hugging Face Trainer calls tp_model_init with the config it then gives initialize
+    model = torch.nn.Linear(2, 2)
+    config = {"bf16": {"enabled": True}, "tensor_parallel": {"autotp_size": 2}}
+    assert deepspeed.tp_model_init(model=model, tp_size=2, dtype=torch.bfloat16, config=config) is model
+    assert deepspeed.tp_model_init(model, 1, torch.float32) is model  # nothing to split
+    with pytest.raises(ValueError, match=r"tp_size=4\) disagrees with the config's tensor_parallel.autotp_size 2"):
+        deepspeed.tp_model_init(model, tp_size=4, dtype=torch.bfloat16, config=config)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16\) disagrees .* torch.bfloat16 \(bf16.enabled\)"):
+        deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float16, config=config)
+    with pytest.raises(NotImplementedError, match=r"tp_group=...\): shardtrain builds the tensor-parallel groups"):
+        deepspeed.tp_model_init(model, tp_size=2, config=config, tp_group=object())
+    with pytest.raises(NotImplementedError, match=r"LinearLayer .DeepSpeed's AutoTP layer classes.*from_linear"):
+        LinearLayer(torch.nn.Linear(2, 2), mp_group=None)
+    mine = get_accelerator()
+
+    class Renamed(type(mine)):
+        def device_name(self, device_index=None):
+            return "renamed"
+    try:
+        set_accelerator(Renamed())
+        assert get_accelerator().device_name() == "renamed"
+        with pytest.raises(TypeError, match=r"takes a deepspeed.accelerator.DeepSpeedAccelerator, got builtins.object"):
+            set_accelerator(object())
+        assert get_accelerator().device_name() == "renamed"
+    finally:
+        set_accelerator(mine)
+    assert get_accelerator() is mine
+
+
+def test_constants_by_deepspeeds_paths():
+    cl.require_alias()
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+    from deepspeed.runtime.config import ADAM_OPTIMIZER, GRADIENT_CLIPPING
+    from deepspeed.runtime.lr_schedules import WARMUP_MIN_LR
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from shardtrain.checkpoint import _deepspeed_keys
+    assert (ADAM_OPTIMIZER, GRADIENT_CLIPPING, WARMUP_MIN_LR) == ("adam", "gradient_clipping", "warmup_min_lr")
+    assert OPTIMIZER_STATE_DICT is _deepspeed_keys.OPTIMIZER_STATE_DICT  # the importer's own key
+    assert ZeroStageEnum.weights == 3
 
 
 def test_the_wheel_installs_and_imports_in_a_fresh_interpreter(tmp_path):

@@ -181,8 +181,17 @@ API: List[Api] = [
     Api("__version__", "differs", "`0.19.8+shardtrain.<shardtrain's version>`: version checks pass "
         "and the label says what it is"),
     Api("init_inference", "refused", "DeepSpeed-Inference: NotImplementedError naming it"),
-    Api("tp_model_init", "refused", "automatic tensor parallelism: NotImplementedError naming it"),
-    Api("PipelineModule", "refused", "pipeline parallelism: NotImplementedError naming it"),
+    Api("tp_model_init", "differs",
+        "returns the model unchanged when its `config` asks for the same `tensor_parallel.autotp_size` "
+        "(and 16-bit dtype): `initialize` splits the model from that config, as the Hugging Face "
+        "Trainer's call expects; without such a config NotImplementedError gives the block to add, "
+        "a different size or dtype is a ValueError, `tp_group=` is refused "
+        "([parallelism.md](parallelism.md))"),
+    Api("set_autotp_mode", "supported",
+        "`training=True` changes nothing (shardtrain's AutoTP is the training one); "
+        "`training=False` (DeepSpeed-Inference's) raises NotImplementedError"),
+    Api("PipelineModule", "refused", "pipeline parallelism: NotImplementedError naming it, and ZeRO "
+        "stage 3 or tensor parallelism instead"),
     Api("DeepSpeedTransformerLayer", "refused", "DeepSpeed's fused kernels: NotImplementedError"),
     Api("add_tuning_arguments", "not provided", "LR range-test arguments; use the config's `scheduler` block"),
     # ZeRO-3 tools
@@ -221,6 +230,47 @@ API: List[Api] = [
     Api("runtime.lr_schedules.OneCycle", "supported", "lr and beta1 cycle as DeepSpeed's (beta2 0.99)"),
     Api("runtime.base_optimizer.DeepSpeedOptimizer", "differs", "as `DeepSpeedOptimizer`"),
     Api("runtime.config.DeepSpeedConfig", "differs", "as `DeepSpeedConfig`"),
+    Api("runtime.config.ADAM_OPTIMIZER", "supported",
+        "`\"adam\"`, and every other module-level constant of DeepSpeed's `runtime/config.py` "
+        "(`ADAMW_OPTIMIZER`, `DEEPSPEED_OPTIMIZERS`, `TORCH_ADAM_PARAM`, `ADAM_W_MODE`, ...) and, "
+        "re-exported as DeepSpeed does, of `runtime/constants.py`, with DeepSpeed's values; as "
+        "optimizer types, `adam`, `adamw` and `adagrad` are built and `lamb`, `lion`, `muon`, "
+        "`muadam`, `muadamw`, `musgd` refused by name"),
+    Api("runtime.constants.GRADIENT_CLIPPING", "supported",
+        "every config key name and default of DeepSpeed's `runtime/constants.py` (`TRAIN_BATCH_SIZE`, "
+        "`FP16_INITIAL_SCALE_POWER_DEFAULT`, `PIPE_REPLICATED`, `ROUTE_TRAIN`, `ValidationMode`, ...), "
+        "without its `*_FORMAT` help texts"),
+    Api("runtime.lr_schedules.WARMUP_MIN_LR", "supported",
+        "and every schedule and parameter name of DeepSpeed's `lr_schedules` (`WARMUP_MAX_LR`, "
+        "`WARMUP_NUM_STEPS`, `WARMUP_TYPE`, `TOTAL_NUM_STEPS`, `CYCLE_*`, `DECAY_*`, "
+        "`LR_RANGE_TEST_*`, `WARMUP_MIN_RATIO`, `COS_MIN_RATIO`, ...): shardtrain's schedules take "
+        "those keys"),
+    Api("runtime.zero.config.ZeroStageEnum", "supported",
+        "an `int` enum (`disabled`, `optimizer_states`, `gradients`, `weights`, `max_stage`); also "
+        "`ZERO_OPTIMIZATION`"),
+    Api("runtime.zero.config.DeepSpeedZeroConfig", "refused",
+        "DeepSpeed's pydantic config classes: `DeepSpeedConfig(config).zero_optimization` instead"),
+    Api("runtime.zero.offload_config.OffloadDeviceEnum", "supported",
+        "a `str` enum (`none`, `cpu`, `nvme`; NVMe offload is refused by the config); also "
+        "`OffloadStateTypeEnum`"),
+    Api("runtime.pipe", "not provided",
+        "pipeline parallelism (`PipelineEngine`, `PipelineModule`, `topology.ProcessTopology`): "
+        "importing it raises ModuleNotFoundError naming it, with ZeRO stage 3 or tensor "
+        "parallelism instead; also `deepspeed.pipe`"),
+    Api("runtime.sequence_parallel", "not provided",
+        "DeepSpeed's Ulysses classes (`ulysses_sp.UlyssesSPAttentionHF`, "
+        "`UlyssesSPDataLoaderAdapter`): importing it raises ModuleNotFoundError pointing to "
+        "`sequence_parallel_size` in the config, which runs Ulysses "
+        "([parallelism.md](parallelism.md))"),
+    Api("sequence.layer.DistributedAttention", "not provided",
+        "the same ModuleNotFoundError: Ulysses comes from `sequence_parallel_size`"),
+    Api("runtime.tensor_parallel", "not provided",
+        "DeepSpeed's AutoTP internals: ModuleNotFoundError pointing to `tensor_parallel.autotp_size`"),
+    Api("module_inject.layers.set_autotp_mode", "supported", "as `set_autotp_mode`"),
+    Api("module_inject.layers.LinearLayer", "refused",
+        "DeepSpeed's AutoTP layer classes (also `LinearAllreduce`): `isinstance` is False, "
+        "construction raises NotImplementedError; the rest of `module_inject` raises "
+        "ModuleNotFoundError naming kernel injection"),
     Api("runtime.utils.move_to_device", "supported", ""),
     Api("runtime.utils.see_memory_usage", "supported", "logs allocated/reserved memory when `force`"),
     # helpers
@@ -258,8 +308,15 @@ API: List[Api] = [
         "`max_shard_size`) from a shardtrain checkpoint"),
     Api("utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", "differs", "from a shardtrain checkpoint"),
     Api("utils.groups", "not provided",
-        "model-, expert- and sequence-parallel groups: importing it raises ModuleNotFoundError naming that"),
+        "DeepSpeed's global registry of model-, expert- and sequence-parallel groups: importing it "
+        "raises ModuleNotFoundError pointing to the engine's groups, `engine.mpu` "
+        "(`get_{model,data,sequence}_parallel_{group,rank,world_size}()`) and `engine.mesh`"),
     Api("checkpoint.utils.clone_tensors_for_torch_save", "supported", ""),
+    Api("checkpoint.constants.OPTIMIZER_STATE_DICT", "supported",
+        "and every other key and file name of DeepSpeed's `checkpoint/constants.py` (`FP32_FLAT_GROUPS`, "
+        "`ZERO_STAGE`, `PARTITION_COUNT`, `PARAM_SHAPES`, `BUFFER_NAMES`, `FROZEN_PARAM_SHAPES`, "
+        "`DS_VERSION`, `UNIVERSAL_CHECKPOINT_INFO`, ...); the keys the checkpoint importer reads "
+        "are its own constants"),
     Api("launcher.runner.DEEPSPEED_ENVIRONMENT_NAME", "supported", "`.deepspeed_env` (or `$DS_ENV_FILE`)"),
     Api("launcher.runner.main", "differs",
         "the `deepspeed` command: `--num_gpus`, `--num_nodes`, `--hostfile`, `--include/--exclude`, "
@@ -268,8 +325,9 @@ API: List[Api] = [
         "every node with `--node_rank`"),
     Api("moe.utils.split_params_into_different_moe_groups_for_optimizer", "differs",
         "returns the groups as given (no parameter is an expert-parallel one here)"),
-    Api("moe.layer.MoE", "not provided", "expert parallelism: a model's own MoE block trains at "
-        "stage 3 as a leaf module"),
+    Api("moe.layer.MoE", "not provided", "MoE with expert parallelism: importing `deepspeed.moe.layer` "
+        "(or `sharded_moe`, `experts`, ...) raises ModuleNotFoundError naming it; a model's own MoE "
+        "block trains at stage 3 as a leaf module"),
     Api("compression.helper.recursive_getattr", "supported", ""),
     Api("compression.helper.recursive_setattr", "supported", ""),
     Api("ops.adam.FusedAdam", "differs", "`torch.optim.Adam` with DeepSpeed's arguments (decoupled "
@@ -320,6 +378,10 @@ API: List[Api] = [
         "`device_name`, `current_device_name`, `set_device`, `device_count`, `is_available`, "
         "`synchronize`, `manual_seed_all`, `empty_cache`, memory queries, "
         "`communication_backend_name`, streams and events (CUDA), ..."),
+    Api("accelerator.set_accelerator", "differs",
+        "takes a `DeepSpeedAccelerator` (or an instance of a subclass; anything else is a "
+        "TypeError) and changes what `get_accelerator()` returns to scripts, not the device "
+        "shardtrain trains on"),
     # the engine: DeepSpeedEngine.X -> shardtrain.Engine.X (checked on an instance)
     Api("Engine.forward", "supported",
         "`engine(*inputs, **kwargs)`: inputs moved to the device and cast in bf16/fp16 mode; "
@@ -452,13 +514,16 @@ def _additions_markdown() -> str:
     return "\n".join(lines)
 
 
-def module_tree() -> List[Tuple[str, str, List[str]]]:
-    """(``deepspeed.<path>``, its docstring's first line, its public names) for every public
-    module of ``shardtrain.deepspeed``, the tree ``import deepspeed`` gives with the alias."""
+def module_tree() -> List[Tuple[str, str, List[str], List[str]]]:
+    """(``deepspeed.<path>``, its docstring's first line, its public names, and those of them
+    that are DeepSpeed's constants) for every public module of ``shardtrain.deepspeed``, the
+    tree ``import deepspeed`` gives with the alias."""
     import importlib
     import pkgutil
+
+    from shardtrain.deepspeed._constants import constant_names
     root = shardtrain.deepspeed
-    out = [("deepspeed", _first_sentence(root.__doc__), list(root.__all__))]
+    out = [("deepspeed", _first_sentence(root.__doc__), list(root.__all__), [])]
     for info in sorted(pkgutil.walk_packages(root.__path__, "shardtrain.deepspeed."),
                        key=lambda i: i.name):
         if any(part.startswith("_") for part in info.name.split(".")):
@@ -466,8 +531,10 @@ def module_tree() -> List[Tuple[str, str, List[str]]]:
         module = importlib.import_module(info.name)
         names = [n for n in getattr(module, "__all__", [])
                  if not isinstance(getattr(module, n, None), type(root))]
+        constants = set(constant_names(vars(module)))
         out.append(("deepspeed" + info.name[len("shardtrain.deepspeed"):],
-                    _first_sentence(module.__doc__ or ""), names))
+                    _first_sentence(module.__doc__ or ""), names,
+                    [n for n in names if n in constants]))
     return out
 
 
@@ -483,11 +550,32 @@ def _first_sentence(doc: str) -> str:
 
 
 def _tree_markdown() -> str:
+    tree = module_tree()
     lines = ["| module | what it is | names |", "|---|---|---|"]
-    for name, doc, names in module_tree():
-        shown = ", ".join(f"`{n}`" for n in names) if names else ""
-        lines.append(f"| `{name}` | {_cell(doc)} | {_cell(shown)} |")
+    for name, doc, names, constants in tree:
+        shown = ", ".join(f"`{n}`" for n in names if n not in constants)
+        lines.append(f"| `{name}` | {_cell(doc)} | {_cell(_join(shown, _constants_cell(constants, tree)))} |")
     return "\n".join(lines)
+
+
+def _constants_cell(constants: List[str], tree) -> str:
+    """A module's constants; those of another module it re-exports whole (as
+    ``runtime.config`` does ``runtime.constants``) are named by that module."""
+    if not constants:
+        return ""
+    whole = [(other, set(c)) for other, _, _, c in tree
+             if c and set(c) < set(constants)]
+    covered = set().union(*(c for _, c in whole)) if whole else set()
+    parts = [f"every constant of `{other}`" for other, _ in whole]
+    rest = [n for n in constants if n not in covered]
+    if rest:
+        label = "constant" if len(rest) == 1 else f"{len(rest)} constants"
+        parts.append(f"{label}: " + ", ".join(f"`{n}`" for n in rest))
+    return "; ".join(parts)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def sections() -> Dict[str, str]:

@@ -30,6 +30,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles, load_pickle, locate
+from ._deepspeed_keys import (BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, FP32_FLAT_GROUPS,
+                              FP32_WEIGHT_KEY, FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES, LOSS_SCALER,
+                              OPTIMIZER_STATE_DICT, PARAM, PARAM_ALIGNMENT_PADDINGS, PARAM_GROUPS,
+                              PARAM_SHAPES, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
 from ._deepspeed_layout import FlatView, group_offsets, stage3_offsets, stage3_param
 from ._deepspeed_stage0 import read_stage0
 from ._deepspeed_state import (DeepSpeedState, Load, TrainedParam, base_state,
@@ -60,7 +64,7 @@ def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool 
         return _universal(files, model, load)
     _check_world(files, model)
     optims = [_optim_states(path, load) for path in files.optim_states]
-    if "fp32_flat_groups" in optims[0]:
+    if FP32_FLAT_GROUPS in optims[0]:
         return _stage3(files, model, optims, load)
     return _stage12(files, model, optims)
 
@@ -80,8 +84,8 @@ def _model_states(path: str, load: Load) -> Dict[str, Any]:
 
 def _optim_states(path: str, load: Load) -> Dict[str, Any]:
     saved = load(path)
-    osd = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
-    if not isinstance(osd, dict) or not ({"fp32_flat_groups", "single_partition_of_fp32_groups"}
+    osd = saved.get(OPTIMIZER_STATE_DICT) if isinstance(saved, dict) else None
+    if not isinstance(osd, dict) or not ({FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS}
                                          & set(osd)):
         raise NotImplementedError(f"{path} is not a ZeRO optimizer states file this converter "
                                   "knows (no fp32_flat_groups or single_partition_of_fp32_groups)"
@@ -100,7 +104,7 @@ def _check_world(files: DeepSpeedFiles, model: Dict[str, Any]) -> None:
 
 def _shapes(model: Dict[str, Any], path: str) -> List[List[Tuple[str, List[int]]]]:
     """``param_shapes``: per flat group, the names and shapes of its parameters, in order."""
-    groups = model.get("param_shapes")
+    groups = model.get(PARAM_SHAPES)
     if isinstance(groups, dict):
         groups = [groups]
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
@@ -113,16 +117,16 @@ def _shapes(model: Dict[str, Any], path: str) -> List[List[Tuple[str, List[int]]
 
 def _stage12(files: DeepSpeedFiles, model: Dict[str, Any],
              optims: List[Dict[str, Any]]) -> DeepSpeedState:
-    stage = int(optims[0].get("zero_stage", 1))
+    stage = int(optims[0].get(ZERO_STAGE, 1))
     state = base_state(files, model, f"ZeRO stage {stage}", stage, len(optims))
     shapes = _shapes(model, files.model_states[0])
     for g, params in enumerate(shapes):
         _read_group12(state, files, optims, g, params, model["module"])
     whole_frozen(state, model["module"])
-    base = optims[0]["base_optimizer_state"]
+    base = optims[0][BASE_OPTIMIZER_STATE]
     saved_groups = base["param_groups"] if isinstance(base, dict) else [{}] * len(shapes)
     state.groups = hyperparameters(saved_groups)  # the elastic form keeps none
-    state.loss_scaler = scaler_state(optims[0].get("loss_scaler"), optims[0].get(
+    state.loss_scaler = scaler_state(optims[0].get(LOSS_SCALER), optims[0].get(
         "dynamic_loss_scale"), state.counters["global_steps"])
     return state
 
@@ -132,10 +136,10 @@ def _read_group12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dic
                   module: Dict[str, torch.Tensor]) -> None:
     """One flat group: every rank's unpadded piece, end to end, cut into its parameters."""
     numels = [numel(s) for _, s in params]
-    paddings = (optims[0].get("param_alignment_paddings") or [[0] * len(params)] * (g + 1))[g]
+    paddings = (optims[0].get(PARAM_ALIGNMENT_PADDINGS) or [[0] * len(params)] * (g + 1))[g]
     offsets, end = group_offsets(numels, paddings)
-    lengths = [o["single_partition_of_fp32_groups"][g].numel() for o in optims]
-    masters = FlatView([o["single_partition_of_fp32_groups"][g] for o in optims])
+    lengths = [o[SINGLE_PARTITION_OF_FP32_GROUPS][g].numel() for o in optims]
+    masters = FlatView([o[SINGLE_PARTITION_OF_FP32_GROUPS][g] for o in optims])
     if masters.numel != end:
         raise ValueError(f"{files.tag_dir}: flat group {g} holds {masters.numel} fp32 elements "
                          f"but its param_shapes add up to {end}: the checkpoint is damaged.")
@@ -152,14 +156,14 @@ def _read_group12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dic
 
 def _group_state(osd: Dict[str, Any], g: int) -> Dict[str, Any]:
     """The base optimizer's state of flat group ``g`` (plain or elastic form)."""
-    base = osd["base_optimizer_state"]
+    base = osd[BASE_OPTIMIZER_STATE]
     if isinstance(base, dict):  # a torch state dict: state keyed by the group's index
         saved = dict(base["state"].get(g, {}))
         group = base["param_groups"][g]
     else:  # elastic: one lean state per group, the step beside it
         saved, group = dict(base[g]), {}
-        if "base_optimizer_state_step" in osd:
-            saved.setdefault("step", osd["base_optimizer_state_step"])
+        if BASE_OPTIMIZER_STATE_STEP in osd:
+            saved.setdefault("step", osd[BASE_OPTIMIZER_STATE_STEP])
     if "step" not in saved and "step" in group:  # optimizers that count per group
         saved["step"] = group["step"]
     return saved
@@ -170,18 +174,18 @@ def _group_state(osd: Dict[str, Any], g: int) -> Dict[str, Any]:
 def _stage3(files: DeepSpeedFiles, model: Dict[str, Any], optims: List[Dict[str, Any]],
             load: Load) -> DeepSpeedState:
     world = len(optims)
-    if int(optims[0].get("partition_count", world)) != world:
+    if int(optims[0].get(PARTITION_COUNT, world)) != world:
         raise NotImplementedError(f"{files.optim_states[0]}: ZeRO-3 partitioned over "
-                                  f"{optims[0]['partition_count']} of {world} ranks (hpZ/MiCS) "
+                                  f"{optims[0][PARTITION_COUNT]} of {world} ranks (hpZ/MiCS) "
                                   "is not supported.")
     state = base_state(files, model, "ZeRO stage 3", 3, world)
     _stage3_params(state, files, optims, _shapes(model, files.model_states[0]))
     state.frozen = _stage3_frozen(files, model, load)
-    saved_groups = optims[0]["optimizer_state_dict"]["param_groups"]
+    saved_groups = optims[0][OPTIMIZER_STATE_DICT]["param_groups"]
     state.groups, merged = _merge_subgroups(hyperparameters(saved_groups))
     for p in state.params.values():
         p.group = merged[p.group]
-    state.loss_scaler = scaler_state(optims[0].get("loss_scaler"), optims[0].get(
+    state.loss_scaler = scaler_state(optims[0].get(LOSS_SCALER), optims[0].get(
         "dynamic_loss_scale"), state.counters["global_steps"])
     return state
 
@@ -191,7 +195,7 @@ def _stage3_params(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Di
     """Every parameter's pieces of every rank's flat vectors, put together (copies)."""
     flat = [(g, n, s) for g, params in enumerate(shapes) for n, s in params]
     offsets, length = stage3_offsets([numel(s) for _, _, s in flat], len(optims))
-    masters = [FlatView(o["fp32_flat_groups"]) for o in optims]
+    masters = [FlatView(o[FP32_FLAT_GROUPS]) for o in optims]
     if any(m.numel != length for m in masters):
         raise ValueError(f"{files.tag_dir}: a rank's fp32_flat_groups hold "
                          f"{[m.numel for m in masters]} elements, param_shapes say {length} "
@@ -208,7 +212,7 @@ def _stage3_states(optims: List[Dict[str, Any]], groups: int
                    ) -> Tuple[Dict[str, List[FlatView]], List[Dict[str, Any]]]:
     """Per-element states as every rank's flat vector (sub-groups end to end), and the scalar
     states of each sub-group."""
-    per_rank = [[_group_state({"base_optimizer_state": o["optimizer_state_dict"]}, g)
+    per_rank = [[_group_state({BASE_OPTIMIZER_STATE: o[OPTIMIZER_STATE_DICT]}, g)
                  for g in range(groups)] for o in optims]
     keys = [k for k, v in per_rank[0][0].items() if per_element(v)] if groups else []
     states = {k: [FlatView([s[k] for s in rank]) for rank in per_rank] for k in keys}
@@ -219,13 +223,13 @@ def _stage3_states(optims: List[Dict[str, Any]], groups: int
 def _stage3_frozen(files: DeepSpeedFiles, model: Dict[str, Any],
                    load: Load) -> Dict[str, torch.Tensor]:
     """Frozen parameters: every rank's fragment, end to end, cut to the parameter's size."""
-    shapes = model.get("frozen_param_shapes") or {}
+    shapes = model.get(FROZEN_PARAM_SHAPES) or {}
     if not shapes:
         return {}
     ranks = [model] + [load(p) for p in files.model_states[1:]]
     out = {}
     for name, shape in shapes.items():
-        views = [FlatView([r["frozen_param_fragments"][name]]) for r in ranks]
+        views = [FlatView([r[FROZEN_PARAM_FRAGMENTS][name]]) for r in ranks]
         out[name] = stage3_param(views, 0, numel(shape)).reshape(list(shape))
     return out
 
@@ -247,7 +251,7 @@ def _merge_subgroups(groups: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]]
 def _universal(files: DeepSpeedFiles, model: Dict[str, Any], load: Load) -> DeepSpeedState:
     zero = os.path.join(files.tag_dir, "zero")
     optim = load(os.path.join(zero, "optimizer_state.pt"))
-    stage = int(optim.get("zero_stage", 1))
+    stage = int(optim.get(ZERO_STAGE, 1))
     state = base_state(files, model, f"universal (from ZeRO stage {stage})", stage,
                        int(model.get("dp_world_size") or 1))
     shapes = _shapes(model, files.model_states[0])
@@ -255,12 +259,12 @@ def _universal(files: DeepSpeedFiles, model: Dict[str, Any], load: Load) -> Deep
         for name, shape in params:
             state.params[name] = _universal_param(zero, name, shape, g, model["module"], load)
     _universal_frozen(state, zero, model["module"], load)
-    groups = hyperparameters(optim.get("param_groups") or [{}] * len(shapes))
+    groups = hyperparameters(optim.get(PARAM_GROUPS) or [{}] * len(shapes))
     state.groups, merged = _merge_subgroups(groups) if stage == 3 else (groups,
                                                                           list(range(len(groups))))
     for p in state.params.values():
         p.group = merged[p.group]
-    state.loss_scaler = scaler_state(optim.get("loss_scaler"), optim.get("dynamic_loss_scale"),
+    state.loss_scaler = scaler_state(optim.get(LOSS_SCALER), optim.get("dynamic_loss_scale"),
                                      state.counters["global_steps"])
     return state
 
@@ -272,15 +276,15 @@ def _universal_param(zero: str, name: str, shape: List[int], group: int,
         raise FileNotFoundError(f"{folder} is missing: the universal checkpoint has no folder "
                                 f"for parameter {name!r}; convert it again with "
                                 "ds_to_universal.")
-    master = _universal_tensor(os.path.join(folder, "fp32.pt"), shape, load)
+    master = _universal_tensor(os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"), shape, load)
     states, scalars = {}, {}
     for entry in sorted(os.listdir(folder)):
         key = entry[:-3] if entry.endswith(".pt") else None
-        if key in (None, "fp32"):
+        if key in (None, FP32_WEIGHT_KEY):
             continue
         if key == "step":
             step = load(os.path.join(folder, entry))
-            scalars["step"] = step["param"] if isinstance(step, dict) else step
+            scalars["step"] = step[PARAM] if isinstance(step, dict) else step
         else:
             states[key] = _universal_tensor(os.path.join(folder, entry), shape, load)
     weight = module.get(name)
@@ -299,7 +303,7 @@ def _param_folder(zero: str, name: str) -> str:
 def _universal_tensor(path: str, shape: List[int], load: Load) -> torch.Tensor:
     """A universal file's whole tensor, flattened (shaped from stages 1-2, flat from 3)."""
     saved = load(path)
-    value = saved.get("param") if isinstance(saved, dict) else saved
+    value = saved.get(PARAM) if isinstance(saved, dict) else saved
     if not isinstance(value, torch.Tensor) or value.numel() != numel(shape):
         got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"{path} holds {got}, not the {numel(shape)} elements of the "
@@ -314,8 +318,8 @@ def _universal_frozen(state: DeepSpeedState, zero: str, module: Dict[str, torch.
     whole_frozen(state, module)
     for name, value in module.items():
         skip = name in state.params or name in state.buffers or name in state.aliases
-        path = os.path.join(_param_folder(zero, name), "fp32.pt")
+        path = os.path.join(_param_folder(zero, name), f"{FP32_WEIGHT_KEY}.pt")
         if not skip and name not in state.frozen and os.path.isfile(path):
             saved = load(path)
-            state.frozen[name] = (saved["param"] if isinstance(saved, dict) else saved).to(
+            state.frozen[name] = (saved[PARAM] if isinstance(saved, dict) else saved).to(
                 value.dtype)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles
+from ._deepspeed_keys import FP32_GROUPS, OPTIMIZER_STATE_DICT
 from ._deepspeed_state import (DeepSpeedState, TrainedParam, base_state, hyperparameters,
                                per_element, scaler_state, whole_frozen)
 
@@ -36,10 +37,10 @@ def read_stage0(files: DeepSpeedFiles, model: Dict[str, Any], frozen: Optional[S
     if "fp32_groups_flat" in saved:
         raise NotImplementedError(f"{path}: the fused fp16 optimizer's flat stage-0 layout is "
                                   "not supported; convert a checkpoint of ZeRO stage 1-3.")
-    wrapped = "optimizer_state_dict" in saved
-    base = saved["optimizer_state_dict"] if wrapped else saved
+    wrapped = OPTIMIZER_STATE_DICT in saved
+    base = saved[OPTIMIZER_STATE_DICT] if wrapped else saved
     state = base_state(files, model, "ZeRO stage 0", 0, int(model.get("dp_world_size") or 1))
-    masters = [list(g) for g in saved["fp32_groups"]] if wrapped else None
+    masters = [list(g) for g in saved[FP32_GROUPS]] if wrapped else None
     names = None
     if frozen is None and untrained:
         known = [n for n in untrained if n in model["module"]]

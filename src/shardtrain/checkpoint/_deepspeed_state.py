@@ -16,17 +16,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles, LossScalerState
+from ._deepspeed_keys import (BUFFER_NAMES, CHECKPOINT_PARALLEL_DIMS, DS_VERSION, FROZEN_PARAM_FRAGMENTS,
+                              FROZEN_PARAM_SHAPES, PARAM_SHAPES, UNIVERSAL_CHECKPOINT_INFO)
 
 __all__ = ["DS_KEYS", "Load", "TrainedParam", "DeepSpeedState", "base_state", "whole_frozen",
            "scaler_state", "hyperparameters", "per_element", "whole", "numel"]
 
 #: The keys DeepSpeed writes into a model states file; any other key is the user's.
 DS_KEYS = frozenset((
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
-    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "module", BUFFER_NAMES, "optimizer", PARAM_SHAPES, FROZEN_PARAM_SHAPES,
+    "shared_params", FROZEN_PARAM_FRAGMENTS, "lr_scheduler", "data_sampler", "random_ltd",
     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-    "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "universal_checkpoint_info"))
+    "dp_world_size", "mp_world_size", CHECKPOINT_PARALLEL_DIMS, "ds_config",
+    DS_VERSION, UNIVERSAL_CHECKPOINT_INFO))
 
 Load = Callable[[str], Any]
 
@@ -71,7 +73,7 @@ def base_state(files: DeepSpeedFiles, model: Dict[str, Any], layout: str, stage:
     """Everything but the trained parameters, the frozen ones and the optimizer's groups."""
     config = dict(model.get("ds_config") or {})
     module = model["module"]
-    buffers = {n: module[n] for n in model.get("buffer_names") or [] if n in module}
+    buffers = {n: module[n] for n in model.get(BUFFER_NAMES) or [] if n in module}
     steps = int(model.get("global_steps") or 0)
     batch = int(config.get("train_batch_size") or 0)
     counters = {"global_steps": steps, "skipped_steps": int(model.get("skipped_steps") or 0),

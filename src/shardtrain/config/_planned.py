@@ -2,7 +2,7 @@
 only at its default (disabled) value.
 
 This keeps DeepSpeed's promise that a config either trains as written or fails at start-up: a
-config that asks for NVMe offload or tensor parallelism is refused with the feature named, not
+config that asks for NVMe offload or expert parallelism is refused with the feature named, not
 run without it. The gate runs on the validated config, so it compares typed values with typed
 defaults; an object block that shardtrain does not model counts as disabled when it asks for
 nothing (:func:`_block_disabled`).

@@ -19,10 +19,13 @@ Example:
 from .. import Engine as DeepSpeedEngine
 from .. import add_config_arguments, init_distributed, initialize
 from ..log import log_dist, log_dist_once, logger
-from . import accelerator, checkpoint, comm, compression, launcher, moe, ops, runtime, utils
+from . import (accelerator, checkpoint, comm, compression, launcher, moe, module_inject, ops,
+               runtime, utils)
+from ._autotp import tp_model_init
 from ._distribution import DEEPSPEED_VERSION, alias_version
-from ._missing import unsupported_class, unsupported_function
+from ._missing import FIT_A_LARGE_MODEL, unsupported_class, unsupported_function
 from .accelerator import get_accelerator
+from .module_inject import replace_transformer_layer, set_autotp_mode
 from .runtime import zero
 from .runtime.activation_checkpointing import checkpointing
 from .runtime.base_optimizer import DeepSpeedOptimizer
@@ -38,19 +41,12 @@ __git_branch__ = git_branch = None
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-_PARALLEL = "ZeRO stage 3 (shards every weight) with data parallelism"
 init_inference = unsupported_function("deepspeed.init_inference", "DeepSpeed-Inference",
                                       "run the trained module directly, or torch.compile it")
 default_inference_config = unsupported_function("deepspeed.default_inference_config",
                                                 "DeepSpeed-Inference", "run the module directly")
-tp_model_init = unsupported_function("deepspeed.tp_model_init", "automatic tensor parallelism",
-                                     _PARALLEL)
-set_autotp_mode = unsupported_function("deepspeed.set_autotp_mode", "automatic tensor parallelism",
-                                       _PARALLEL)
-replace_transformer_layer = unsupported_function("deepspeed.replace_transformer_layer",
-                                                 "kernel injection", "the model's own layers")
-PipelineModule = unsupported_class("deepspeed.PipelineModule", "pipeline parallelism", _PARALLEL)
-PipelineEngine = unsupported_class("deepspeed.PipelineEngine", "pipeline parallelism", _PARALLEL)
+PipelineModule = unsupported_class("deepspeed.PipelineModule", "pipeline parallelism", FIT_A_LARGE_MODEL)
+PipelineEngine = unsupported_class("deepspeed.PipelineEngine", "pipeline parallelism", FIT_A_LARGE_MODEL)
 InferenceEngine = unsupported_class("deepspeed.InferenceEngine", "DeepSpeed-Inference",
                                     "run the trained module directly")
 DeepSpeedInferenceConfig = unsupported_class("deepspeed.DeepSpeedInferenceConfig",
@@ -69,7 +65,7 @@ __all__ = [
     "initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
     "DeepSpeedOptimizer", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedOptimizerCallable",
     "DeepSpeedSchedulerCallable", "get_accelerator", "zero", "comm", "checkpointing", "ops",
-    "runtime", "utils", "accelerator", "checkpoint", "launcher", "moe", "compression", "log_dist",
+    "runtime", "utils", "accelerator", "checkpoint", "launcher", "moe", "module_inject", "compression", "log_dist",
     "log_dist_once", "logger", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__",
     "version", "git_hash", "git_branch", "init_inference", "default_inference_config",
     "tp_model_init", "set_autotp_mode", "replace_transformer_layer", "PipelineModule",

@@ -15,22 +15,41 @@ from typing import Any, Callable, Dict, Tuple
 
 _DOC = "docs/deepspeed_compat.md lists what the alias provides"
 
-#: DeepSpeed module prefixes that are not provided -> (feature, what to use instead).
+_DOCS_PARALLEL = "docs/parallelism.md"
+#: what to use instead of pipeline parallelism while it is not provided
+FIT_A_LARGE_MODEL = ("ZeRO stage 3 (shards every weight) or tensor parallelism "
+                     "(tensor_parallel.autotp_size in the config) to fit a large model")
+_MOE = ("DeepSpeed's MoE layer, gating and expert parallelism",
+        "the model's own MoE block, trained at ZeRO stage 3 as a leaf module (set_z3_leaf_modules)")
+_SP = ("Ulysses sequence parallelism from the config: sequence_parallel_size: S (the engine's loader "
+       "gives each rank its slice of every sequence; engine.mpu has the groups); "
+       f"shardtrain.parallel.enable_ulysses and shard_sequence outside the engine ({_DOCS_PARALLEL})")
+_TP = ("AutoTP from the config: tensor_parallel.autotp_size (with preset_model or "
+       "partition_config.layer_specs); shardtrain.parallel.apply_autotp outside the engine "
+       f"({_DOCS_PARALLEL})")
+
+#: DeepSpeed module prefixes -> (the feature, what to use instead). A module at or below a
+#: prefix that this tree does not have is refused with that reason; a prefix may also be a
+#: package the tree provides in part (``deepspeed.moe``: ``moe.utils`` is there, the rest is
+#: refused as MoE). Lifting a refusal is adding the module and removing its entry.
 MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.inference": ("DeepSpeed-Inference (kernel injection, init_inference)",
                             "run the trained torch module directly, or torch.compile it"),
-    "deepspeed.module_inject": ("kernel injection and automatic tensor parallelism",
-                                "the model's own torch modules"),
-    "deepspeed.pipe": ("pipeline parallelism (PipelineModule)", "ZeRO stage 3 to fit a large model"),
-    "deepspeed.runtime.pipe": ("pipeline parallelism (PipelineEngine)",
-                               "ZeRO stage 3 to fit a large model"),
-    "deepspeed.runtime.sequence_parallel": ("Ulysses sequence parallelism",
-                                            "data parallelism with ZeRO; sequence parallelism is planned"),
-    "deepspeed.sequence": ("sequence parallelism", "data parallelism with ZeRO"),
-    "deepspeed.runtime.tensor_parallel": ("tensor parallelism (autotp)",
-                                          "ZeRO stage 3; tensor parallelism is planned"),
-    "deepspeed.utils.groups": ("model-, expert- and sequence-parallel process groups",
-                               "shardtrain has one data-parallel group: deepspeed.comm with group=None"),
+    "deepspeed.module_inject": ("kernel injection and DeepSpeed's AutoTP layer classes "
+                                "(only module_inject.layers.set_autotp_mode is provided)", _TP),
+    "deepspeed.pipe": ("pipeline parallelism (PipelineModule)", FIT_A_LARGE_MODEL),
+    "deepspeed.runtime.pipe": ("pipeline parallelism (PipelineEngine, PipelineModule, "
+                               "ProcessTopology)", FIT_A_LARGE_MODEL),
+    "deepspeed.moe": _MOE,
+    "deepspeed.runtime.sequence_parallel": ("DeepSpeed's Ulysses classes (UlyssesSPAttentionHF, "
+                                            "UlyssesSPDataLoaderAdapter, parallel_state_sp)", _SP),
+    "deepspeed.sequence": ("DeepSpeed's sequence-parallel layers (DistributedAttention, FPDT)", _SP),
+    "deepspeed.runtime.tensor_parallel": ("DeepSpeed's AutoTP internals (TpTrainingManager, "
+                                          "its config objects)", _TP),
+    "deepspeed.utils.groups": ("DeepSpeed's global registry of model-, expert- and "
+                               "sequence-parallel groups",
+                               "the engine's groups: engine.mpu (get_{model,data,sequence}_"
+                               "parallel_{group,rank,world_size}()) and engine.mesh"),
     "deepspeed.ops.transformer": ("DeepSpeed's fused transformer kernels",
                                   "the model's own layers (torch.nn.functional.scaled_dot_product_attention)"),
     "deepspeed.ops.op_builder": ("compiled DeepSpeed ops", "nothing is compiled: the optimizers "
@@ -41,8 +60,6 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.autotuning": ("DeepSpeed's autotuner", "`shardtrain autotune`"),
     "deepspeed.elasticity": ("elastic batch sizes (removed from DeepSpeed too)",
                              "fixed batch keys; `shardtrain run --max-restarts` for elastic restarts"),
-    "deepspeed.moe.layer": ("DeepSpeed's MoE layer with expert parallelism",
-                            "the model's own MoE block as a ZeRO-3 leaf module (set_z3_leaf_modules)"),
     "deepspeed.linear": ("OptimizedLinear (LoRA and quantisation)", "peft or torch.nn.Linear"),
     "deepspeed.profiling": ("DeepSpeed's FLOPs profiler API",
                             "the flops_profiler config block (shardtrain measures it)"),

@@ -296,8 +296,25 @@ def get_accelerator() -> DeepSpeedAccelerator:
 
 
 def set_accelerator(accel_obj: DeepSpeedAccelerator) -> None:
-    """Replaces the object :func:`get_accelerator` returns (DeepSpeed's hook for tests)."""
+    """Replaces the object :func:`get_accelerator` returns (DeepSpeed's hook for tests and
+    out-of-tree devices): a :class:`DeepSpeedAccelerator`, or an instance of a subclass that
+    overrides some of its methods.
+
+    It changes what scripts get from ``get_accelerator()``, not the device shardtrain trains on,
+    which :mod:`shardtrain.accelerator` decides (CUDA when available, ``SHARDTRAIN_ACCELERATOR=cpu``
+    for the CPU).
+
+    Raises:
+        TypeError: ``accel_obj`` is not a :class:`DeepSpeedAccelerator` (DeepSpeed's own
+            accelerator classes, such as ``CUDA_Accelerator``, are not part of the alias).
+    """
     global _accelerator
+    if not isinstance(accel_obj, DeepSpeedAccelerator):
+        raise TypeError(
+            f"set_accelerator() takes a deepspeed.accelerator.DeepSpeedAccelerator, got "
+            f"{type(accel_obj).__module__}.{type(accel_obj).__qualname__}: pass "
+            "get_accelerator() (or an instance of a subclass of DeepSpeedAccelerator). The "
+            "training device is chosen by shardtrain itself (SHARDTRAIN_ACCELERATOR=cpu for the CPU).")
     _accelerator = accel_obj
 
 

@@ -8,7 +8,7 @@ Example:
 """
 from ....zero import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                       set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
-from . import partition_parameters
+from . import config, offload_config, partition_parameters
 from .partition_parameters import (GatheredParameters, Init, ZeroParamStatus,
                                    register_external_parameter, unregister_external_parameter)
 from ..._missing import unsupported_class, unsupported_function
@@ -25,7 +25,7 @@ offload_states = unsupported_function("deepspeed.zero.offload_states", "moving m
                                       "zero_optimization.offload_optimizer / offload_param")
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter", "partition_parameters", "set_z3_leaf_modules",
-           "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "z3_leaf_module", "get_z3_leaf_modules", "MiCS_Init", "TiledLinear",
-           "TiledLinearReturnBias", "ZeroOptimizer", "offload_states"]
+           "unregister_external_parameter", "partition_parameters", "config", "offload_config",
+           "set_z3_leaf_modules", "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+           "set_z3_leaf_modules_by_suffix", "z3_leaf_module", "get_z3_leaf_modules", "MiCS_Init",
+           "TiledLinear", "TiledLinearReturnBias", "ZeroOptimizer", "offload_states"]
