@@ -359,6 +359,18 @@ def test_estimate_counts_fp32_gradients_of_grad_accum_dtype(capsys, tmp_path):
     assert "data_types.grad_accum_dtype 'int8'" in line and "'fp32'" in line
 
 
+def test_estimate_reads_its_config_as_initialize_does(capsys, tmp_path):
+    """hjson is accepted and an empty file refused with the loader's words, as a run would."""
+    config = tmp_path / "ds.json"
+    config.write_text("{\n  // the mesh\n  tensor_parallel: {autotp_size: 2},\n}\n")
+    report = estimate(capsys, "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
+                      "--nproc", "4", "--config", str(config))
+    assert report["mesh"]["tensor_parallel"] == 2
+    config.write_text("")
+    line = usage_error(capsys, "estimate", "--model", f"{MODELS}:gpt_tiny", "--config", str(config))
+    assert f"Config file {str(config)!r} is empty. A minimal config: " in line
+
+
 def test_estimate_counts_bf16_masters_from_the_config(capsys, tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,

@@ -184,16 +184,11 @@ def _bf16_masters_of(config: Dict[str, Any]) -> bool:
 
 
 def _read_config(path: str) -> Dict[str, Any]:
+    from ..config import ConfigError, read_config_file
     try:
-        with open(path) as f:
-            value = json.load(f)
-    except OSError as err:
-        raise _UsageError(f"--config {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise _UsageError(f"--config {path} is not JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(value, dict):
-        raise _UsageError(f"--config {path} holds {type(value).__name__}, not a JSON object")
-    return value
+        return read_config_file(path)  # as initialize() reads it: hjson too, the same errors
+    except ConfigError as err:
+        raise _UsageError(str(err)) from None
 
 
 def _local_numels(model: torch.nn.Module, mesh: _Mesh) -> Dict[int, int]:
