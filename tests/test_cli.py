@@ -1,5 +1,5 @@
 """The `shardtrain` command in-process: help, errors, the torchrun command lines `run` builds,
-`estimate` against the ZeRO formula, `info`. Real launches are in test_cli_run.py."""
+`estimate` against the ZeRO formula, `info`. Real launches are in test_cli_jobs.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from typing import List
 import pytest
 
 from shardtrain import _launch_shim, accelerator
-from shardtrain.cli import main
+from shardtrain.cli import _run_flags, main
 from shardtrain.memory import zero_formula_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,6 +205,83 @@ def test_the_shim_puts_local_rank_first_like_deepspeed(tmp_path, monkeypatch):
     _launch_shim._run([str(script), "--deepspeed_config", "ds.json"])
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv == [str(script), "--local_rank=3", "--deepspeed_config", "ds.json"]
+
+
+# -- run: torchrun's and DeepSpeed's spellings -----------------------------------------------
+
+
+@pytest.mark.parametrize("theirs,ours", [
+    (["--nproc_per_node", "2"], ["--nproc", "2"]),
+    (["--nproc-per-node=2"], ["--nproc", "2"]),
+    (["--num_gpus", "2"], ["--nproc", "2"]),
+    (["--num_accelerators=2"], ["--nproc", "2"]),
+    (["--nnodes", "2", "--node_rank", "1", "--rdzv_endpoint", "n0:29400", "--rdzv_id", "j7",
+      "--max_restarts", "2"],
+     ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "n0:29400", "--rdzv-id", "j7",
+      "--max-restarts", "2"]),
+    (["--num_nodes", "2", "--node_rank=1", "--rdzv_backend=static", "--rdzv_endpoint=n0:1"],
+     ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static", "--rdzv-endpoint", "n0:1"]),
+    (["--nnodes", "2", "--master_addr", "n0", "--master_port", "1234"],
+     ["--nnodes", "2", "--rdzv-endpoint", "n0:1234"]),
+    (["--nnodes", "2", "--master-addr=n0"], ["--nnodes", "2", "--rdzv-endpoint", "n0:29500"]),
+    (["--master_port", "29501"], ["--rdzv-endpoint", "127.0.0.1:29501"]),
+    (["--master_addr", "::1", "--master_port", "5"], ["--rdzv-endpoint", "[::1]:5"]),
+    (["--standalone", "--nproc_per_node", "2"], ["--nproc", "2"]),
+    (["--run-path", "--no_ssh", "--no_ssh_check"], []),
+    (["--local-rank-arg", "--no_local_rank"], []),
+])
+def test_torchrun_and_deepspeed_spellings_give_our_command(capsys, theirs, ours):
+    assert dry_run(capsys, *theirs, SCRIPT, "--a") == dry_run(capsys, *ours, SCRIPT, "--a")
+
+
+def test_deepspeed_hostfile_spellings(capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=4\nworker-2 slots=2\n")
+    ours = dry_run(capsys, "--hostfile", str(hostfile), "--rdzv-endpoint", "worker-1:7", SCRIPT)
+    assert dry_run(capsys, "-H", str(hostfile), "--master_port", "7", SCRIPT) == ours
+    line = usage_error(capsys, "run", "-H", str(hostfile), "--num_gpus", "2", SCRIPT)
+    assert line.endswith("--num_gpus and --hostfile both say how big the job is; the hostfile "
+                         "gives nodes and slots, so drop --num_gpus (list only the slots to use "
+                         "in the hostfile)")
+    assert "drop --num_nodes (list only the hosts" in usage_error(
+        capsys, "run", "-H", str(hostfile), "--num_nodes", "1", SCRIPT)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc_per_node", "gpu"], "argument --nproc_per_node: expected a whole number >= 1, got "
+     "'gpu': leave the option out for one process per GPU"),
+    (["--num_gpus", "0"], "argument --num_gpus: expected a whole number >= 1"),
+    (["--num_nodes", "2"], "--num_nodes 2 needs --rdzv-endpoint HOST:PORT (or --master_addr and "
+     "--master_port)"),
+    (["--nnodes", "2", "--master_port", "5"], "--master_port on 2 nodes needs --master_addr too"),
+    (["--master_port", "0"], "argument --master_port: expected a port in 1-65535"),
+    (["--rdzv-endpoint", "a:1", "--master_addr", "b"], "--rdzv-endpoint and --master_addr both "
+     "say where the nodes meet"),
+    (["--nnodes", "2", "--node_rank", "2", "--rdzv_endpoint", "h:1"],
+     "--node_rank 2 must be below --nnodes 2"),
+    (["--standalone", "--nnodes", "2"], "--standalone is one node meeting on a free local port, "
+     "and --nnodes 2 asks for a shared rendezvous"),
+    (["--standalone", "--master_port", "5"], "and --master_port 5 asks for a shared rendezvous"),
+])
+def test_their_spellings_are_named_in_errors(capsys, argv, message):
+    assert message in usage_error(capsys, "run", *argv, SCRIPT)
+
+
+@pytest.mark.parametrize("flag", [f for flags in _run_flags.REFUSED for f in flags])
+def test_launcher_options_without_a_counterpart_say_what_to_do(capsys, flag):
+    whose, instead = next(v for k, v in _run_flags.REFUSED.items() if flag in k)
+    line = usage_error(capsys, "run", flag, "x", SCRIPT)
+    assert line.endswith(f"error: {flag} is {whose}'s option, which shardtrain run does not "
+                         f"take; instead, {instead}")
+    assert "unrecognized" not in line
+
+
+def test_their_options_after_the_script_are_the_scripts(capsys):
+    args = ["--nproc_per_node", "3", "--num_gpus", "1", "--master_port", "1", "--standalone",
+            "--log_dir", "x", "-i", "y", "--no_python", "-H", "h"]
+    (cmd,) = dry_run(capsys, "--nproc", "2", SCRIPT, *args)
+    assert cmd[cmd.index("--") + 1:] == [SCRIPT, *args]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
 
 
 def test_hostfile_prints_every_nodes_command(capsys, tmp_path):
