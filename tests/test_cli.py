@@ -497,6 +497,111 @@ def test_a_module_factory_imports_from_the_current_folder(capsys, tmp_path, monk
     assert report["parameters"] == 110
 
 
+# -- estimate from a Hugging Face config --------------------------------------------------------
+
+
+def write_hf_configs(folder: Path) -> dict:
+    """Two tiny Hugging Face models as config.json alone (written here, nothing downloaded):
+    GPT-2, whose lm_head is tied to its embedding and whose config names its architecture,
+    and a Llama with untied embeddings and no architectures (AutoModelForCausalLM's pick)."""
+    from transformers import GPT2Config, LlamaConfig
+    gpt2 = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=64,
+                      bos_token_id=0, eos_token_id=0, architectures=["GPT2LMHeadModel"])
+    llama = LlamaConfig(**json.loads(LLAMA_KW), max_position_embeddings=64,
+                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    for name, config in (("gpt2", gpt2), ("llama", llama)):
+        config.save_pretrained(folder / name)
+    return {"gpt2": gpt2, "llama": llama}
+
+
+def real_parameters(config, **overrides) -> int:
+    """The parameters of the model transformers builds for real from ``config`` (tied once)."""
+    from transformers import AutoModelForCausalLM
+    config = type(config).from_dict({**config.to_dict(), **overrides})
+    return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+@pytest.fixture(scope="module")
+def hf_configs(tmp_path_factory) -> tuple:
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("hf")
+    return folder, write_hf_configs(folder)
+
+
+@pytest.mark.parametrize("name,model_class", [("gpt2", "GPT2LMHeadModel"),
+                                              ("llama", "LlamaForCausalLM")])
+def test_estimate_counts_a_hugging_face_model_as_built_for_real(capsys, hf_configs, name,
+                                                                model_class):
+    folder, configs = hf_configs
+    want = real_parameters(configs[name])
+    by_dir = estimate(capsys, "--model", str(folder / name), "--nproc", "2")
+    by_file = estimate(capsys, "--model", str(folder / name / "config.json"), "--nproc", "2")
+    assert by_dir["parameters"] == by_dir["trainable_parameters"] == want
+    assert by_dir["model_class"] == model_class
+    assert {**by_file, "model": None} == {**by_dir, "model": None}
+
+
+def test_estimate_of_a_config_equals_the_factorys_on_a_mesh(capsys, hf_configs):
+    """The same Llama from config.json and from examples/models.py:llama: the same report,
+    AutoTP's llama preset splitting both alike."""
+    folder, _ = hf_configs
+    argv = ["--nproc", "8", "--tensor-parallel", "2", "--dtype", "fp32"]
+    from_config = estimate(capsys, "--model", str(folder / "llama"), *argv)
+    from_factory = estimate(capsys, "--model", f"{MODELS}:llama", "--model-kwargs",
+                            json.dumps({**json.loads(LLAMA_KW), "max_position_embeddings": 64}),
+                            *argv)
+    assert from_config["mesh"]["parameters_per_rank"] == _llama_counts()[0] - _llama_counts()[1] // 2
+    for report in (from_config, from_factory):
+        del report["model"]
+    assert from_config == from_factory
+
+
+def test_estimate_model_kwargs_change_config_fields(capsys, hf_configs):
+    folder, configs = hf_configs
+    report = estimate(capsys, "--model", str(folder / "gpt2"), "--model-kwargs",
+                      '{"n_layer": 3, "n_embd": 64}')
+    assert report["parameters"] == real_parameters(configs["gpt2"], n_layer=3, n_embd=64)
+    line = usage_error(capsys, "estimate", "--model", str(folder / "gpt2"), "--model-kwargs",
+                       '{"n_layers": 3}')
+    assert line.endswith("--model-kwargs: GPT2Config has no field 'n_layers'; did you mean "
+                         "'n_layer'?")
+
+
+def test_estimate_builds_a_huge_config_without_memory(capsys, hf_configs):
+    """A 10-billion-parameter GPT-2 from the tiny config's file: only the meta device allows it."""
+    folder, _ = hf_configs
+    report = estimate(capsys, "--model", str(folder / "gpt2" / "config.json"), "--model-kwargs",
+                      '{"n_layer": 48, "n_embd": 4096, "n_head": 32}')
+    assert report["parameters"] > 9_000_000_000
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"model_type": "no_such_type"}, "model_type 'no_such_type' is unknown to transformers "),
+    ({"model_type": "gpt2", "architectures": ["GPT2ForEverything"]},
+     "architecture 'GPT2ForEverything' is not in transformers "),
+    ({"model_type": "my_own", "auto_map": {"AutoConfig": "x.MyConfig"}},
+     "comes with its own code (auto_map), which shardtrain does not run"),
+    ({"hidden_size": 8}, "has no model_type"),
+])
+def test_estimate_refuses_a_config_transformers_cannot_build(capsys, tmp_path, fields, message):
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    assert message in usage_error(capsys, "estimate", "--model", str(tmp_path))
+
+
+def test_estimate_says_what_a_model_argument_can_be(capsys, tmp_path, monkeypatch):
+    line = usage_error(capsys, "estimate", "--model", "meta-llama/Llama-3.1-8B")
+    assert "a Hugging Face model directory holding config.json, or a config.json" in line
+    assert "Nothing is downloaded: for a Hub model, fetch its config.json first" in line
+    assert "the directory holds no config.json" in usage_error(
+        capsys, "estimate", "--model", str(tmp_path))
+    assert "no such file" in usage_error(capsys, "estimate", "--model", str(tmp_path / "c.json"))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    assert main(["estimate", "--model", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "needs transformers, which this Python lacks: pip install transformers" in err
+
+
 # -- info -------------------------------------------------------------------------------------
 
 
