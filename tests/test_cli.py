@@ -276,6 +276,22 @@ def test_launcher_options_without_a_counterpart_say_what_to_do(capsys, flag):
     assert "unrecognized" not in line
 
 
+def test_every_torchrun_option_is_taken_or_answered(capsys):
+    """Each option of this torch's torchrun is one of ours, a spelling of one, one that changes
+    nothing, or refused with what to do: none falls through to "unrecognized arguments"."""
+    from torch.distributed.run import get_args_parser
+    from shardtrain.cli import build_parser
+    theirs = {flag for action in get_args_parser()._actions for flag in action.option_strings}
+    for flag in sorted(theirs - {"-h", "--help"}):
+        try:
+            _, extra = build_parser().parse_known_args(["run", flag, "1", SCRIPT])
+        except SystemExit:  # refused with what to do instead, or a known option's bad value
+            err = capsys.readouterr().err
+            assert f"error: {flag} is " in err or f"error: argument {flag}: " in err, err
+            continue
+        assert extra == [], flag
+
+
 def test_their_options_after_the_script_are_the_scripts(capsys):
     args = ["--nproc_per_node", "3", "--num_gpus", "1", "--master_port", "1", "--standalone",
             "--log_dir", "x", "-i", "y", "--no_python", "-H", "h"]
