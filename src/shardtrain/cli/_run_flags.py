@@ -99,17 +99,6 @@ class _Spelled(argparse.Action):
         namespace.spelled = {**getattr(namespace, "spelled", {}), self.dest: option_string}
 
 
-class _SpelledFlag(_Spelled):
-    """``store_true``, remembering the spelling."""
-
-    def __init__(self, option_strings, dest, default=False, required=False, help=None):  # noqa: A002
-        super().__init__(option_strings, dest, nargs=0, const=True, default=default,
-                         required=required, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, True, option_string)
-
-
 class _Already(argparse.Action):
     """A flag that asks for what ``shardtrain run`` does anyway: accepted, nothing to store."""
 
@@ -149,7 +138,7 @@ def add_foreign_options(parser: argparse.ArgumentParser) -> None:
     """The launchers' options with no spelling of ours: ``--standalone``, ``--master_addr``
     and ``--master_port``, ``--no_local_rank``, the ones that change nothing, the refused."""
     parser.set_defaults(spelled={})
-    parser.add_argument("--standalone", action=_SpelledFlag, help=argparse.SUPPRESS)
+    parser.add_argument("--standalone", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--master-addr", "--master_addr"):
         parser.add_argument(flag, dest="master_addr", action=_Spelled, type=_host,
                             default=None if flag == "--master-addr" else argparse.SUPPRESS,
