@@ -1,5 +1,5 @@
 """The `shardtrain` command in-process: help, errors, the torchrun command lines `run` builds,
-`estimate` against the ZeRO formula, `info`. Real launches are in test_cli_run.py."""
+`estimate` against the ZeRO formula, `info`. Real launches are in test_cli_jobs.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from typing import List
 import pytest
 
 from shardtrain import _launch_shim, accelerator
-from shardtrain.cli import main
+from shardtrain.cli import _run_flags, main
 from shardtrain.memory import zero_formula_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,6 +207,99 @@ def test_the_shim_puts_local_rank_first_like_deepspeed(tmp_path, monkeypatch):
     assert argv == [str(script), "--local_rank=3", "--deepspeed_config", "ds.json"]
 
 
+# -- run: torchrun's and DeepSpeed's spellings -----------------------------------------------
+
+
+@pytest.mark.parametrize("theirs,ours", [
+    (["--nproc_per_node", "2"], ["--nproc", "2"]),
+    (["--nproc-per-node=2"], ["--nproc", "2"]),
+    (["--num_gpus", "2"], ["--nproc", "2"]),
+    (["--num_accelerators=2"], ["--nproc", "2"]),
+    (["--nnodes", "2", "--node_rank", "1", "--rdzv_endpoint", "n0:29400", "--rdzv_id", "j7",
+      "--max_restarts", "2"],
+     ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "n0:29400", "--rdzv-id", "j7",
+      "--max-restarts", "2"]),
+    (["--num_nodes", "2", "--node_rank=1", "--rdzv_backend=static", "--rdzv_endpoint=n0:1"],
+     ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static", "--rdzv-endpoint", "n0:1"]),
+    (["--nnodes", "2", "--master_addr", "n0", "--master_port", "1234"],
+     ["--nnodes", "2", "--rdzv-endpoint", "n0:1234"]),
+    (["--nnodes", "2", "--master-addr=n0"], ["--nnodes", "2", "--rdzv-endpoint", "n0:29500"]),
+    (["--master_port", "29501"], ["--rdzv-endpoint", "127.0.0.1:29501"]),
+    (["--master_addr", "::1", "--master_port", "5"], ["--rdzv-endpoint", "[::1]:5"]),
+    (["--standalone", "--nproc_per_node", "2"], ["--nproc", "2"]),
+    (["--run-path", "--no_ssh", "--no_ssh_check"], []),
+    (["--local-rank-arg", "--no_local_rank"], []),
+])
+def test_torchrun_and_deepspeed_spellings_give_our_command(capsys, theirs, ours):
+    assert dry_run(capsys, *theirs, SCRIPT, "--a") == dry_run(capsys, *ours, SCRIPT, "--a")
+
+
+def test_deepspeed_hostfile_spellings(capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=4\nworker-2 slots=2\n")
+    ours = dry_run(capsys, "--hostfile", str(hostfile), "--rdzv-endpoint", "worker-1:7", SCRIPT)
+    assert dry_run(capsys, "-H", str(hostfile), "--master_port", "7", SCRIPT) == ours
+    line = usage_error(capsys, "run", "-H", str(hostfile), "--num_gpus", "2", SCRIPT)
+    assert line.endswith("--num_gpus and --hostfile both say how big the job is; the hostfile "
+                         "gives nodes and slots, so drop --num_gpus (list only the slots to use "
+                         "in the hostfile)")
+    assert "drop --num_nodes (list only the hosts" in usage_error(
+        capsys, "run", "-H", str(hostfile), "--num_nodes", "1", SCRIPT)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc_per_node", "gpu"], "argument --nproc_per_node: expected a whole number >= 1, got "
+     "'gpu': leave the option out for one process per GPU"),
+    (["--num_gpus", "0"], "argument --num_gpus: expected a whole number >= 1"),
+    (["--num_nodes", "2"], "--num_nodes 2 needs --rdzv-endpoint HOST:PORT (or --master_addr and "
+     "--master_port)"),
+    (["--nnodes", "2", "--master_port", "5"], "--master_port on 2 nodes needs --master_addr too"),
+    (["--master_port", "0"], "argument --master_port: expected a port in 1-65535"),
+    (["--rdzv-endpoint", "a:1", "--master_addr", "b"], "--rdzv-endpoint and --master_addr both "
+     "say where the nodes meet"),
+    (["--nnodes", "2", "--node_rank", "2", "--rdzv_endpoint", "h:1"],
+     "--node_rank 2 must be below --nnodes 2"),
+    (["--standalone", "--nnodes", "2"], "--standalone is one node meeting on a free local port, "
+     "and --nnodes 2 asks for a shared rendezvous"),
+    (["--standalone", "--master_port", "5"], "and --master_port 5 asks for a shared rendezvous"),
+])
+def test_their_spellings_are_named_in_errors(capsys, argv, message):
+    assert message in usage_error(capsys, "run", *argv, SCRIPT)
+
+
+@pytest.mark.parametrize("flag", [f for flags in _run_flags.REFUSED for f in flags])
+def test_launcher_options_without_a_counterpart_say_what_to_do(capsys, flag):
+    whose, instead = next(v for k, v in _run_flags.REFUSED.items() if flag in k)
+    line = usage_error(capsys, "run", flag, "x", SCRIPT)
+    assert line.endswith(f"error: {flag} is {whose}'s option, which shardtrain run does not "
+                         f"take; instead, {instead}")
+    assert "unrecognized" not in line
+
+
+def test_every_torchrun_option_is_taken_or_answered(capsys):
+    """Each option of this torch's torchrun is one of ours, a spelling of one, one that changes
+    nothing, or refused with what to do: none falls through to "unrecognized arguments"."""
+    from torch.distributed.run import get_args_parser
+    from shardtrain.cli import build_parser
+    theirs = {flag for action in get_args_parser()._actions for flag in action.option_strings}
+    for flag in sorted(theirs - {"-h", "--help"}):
+        try:
+            _, extra = build_parser().parse_known_args(["run", flag, "1", SCRIPT])
+        except SystemExit:  # refused with what to do instead, or a known option's bad value
+            err = capsys.readouterr().err
+            assert f"error: {flag} is " in err or f"error: argument {flag}: " in err, err
+            continue
+        assert extra == [], flag
+
+
+def test_their_options_after_the_script_are_the_scripts(capsys):
+    args = ["--nproc_per_node", "3", "--num_gpus", "1", "--master_port", "1", "--standalone",
+            "--log_dir", "x", "-i", "y", "--no_python", "-H", "h"]
+    (cmd,) = dry_run(capsys, "--nproc", "2", SCRIPT, *args)
+    assert cmd[cmd.index("--") + 1:] == [SCRIPT, *args]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
+
+
 def test_hostfile_prints_every_nodes_command(capsys, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# DeepSpeed format\nworker-1 slots=4\nworker-2 slots=2  # smaller\n")
@@ -359,6 +452,18 @@ def test_estimate_counts_fp32_gradients_of_grad_accum_dtype(capsys, tmp_path):
     assert "data_types.grad_accum_dtype 'int8'" in line and "'fp32'" in line
 
 
+def test_estimate_reads_its_config_as_initialize_does(capsys, tmp_path):
+    """hjson is accepted and an empty file refused with the loader's words, as a run would."""
+    config = tmp_path / "ds.json"
+    config.write_text("{\n  // the mesh\n  tensor_parallel: {autotp_size: 2},\n}\n")
+    report = estimate(capsys, "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
+                      "--nproc", "4", "--config", str(config))
+    assert report["mesh"]["tensor_parallel"] == 2
+    config.write_text("")
+    line = usage_error(capsys, "estimate", "--model", f"{MODELS}:gpt_tiny", "--config", str(config))
+    assert f"Config file {str(config)!r} is empty. A minimal config: " in line
+
+
 def test_estimate_counts_bf16_masters_from_the_config(capsys, tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
@@ -406,6 +511,111 @@ def test_a_module_factory_imports_from_the_current_folder(capsys, tmp_path, monk
     monkeypatch.setattr(sys, "path", list(sys.path))
     report = estimate(capsys, "--model", "mypkg_models_x:build", "--nproc", "1")
     assert report["parameters"] == 110
+
+
+# -- estimate from a Hugging Face config --------------------------------------------------------
+
+
+def write_hf_configs(folder: Path) -> dict:
+    """Two tiny Hugging Face models as config.json alone (written here, nothing downloaded):
+    GPT-2, whose lm_head is tied to its embedding and whose config names its architecture,
+    and a Llama with untied embeddings and no architectures (AutoModelForCausalLM's pick)."""
+    from transformers import GPT2Config, LlamaConfig
+    gpt2 = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=64,
+                      bos_token_id=0, eos_token_id=0, architectures=["GPT2LMHeadModel"])
+    llama = LlamaConfig(**json.loads(LLAMA_KW), max_position_embeddings=64,
+                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    for name, config in (("gpt2", gpt2), ("llama", llama)):
+        config.save_pretrained(folder / name)
+    return {"gpt2": gpt2, "llama": llama}
+
+
+def real_parameters(config, **overrides) -> int:
+    """The parameters of the model transformers builds for real from ``config`` (tied once)."""
+    from transformers import AutoModelForCausalLM
+    config = type(config).from_dict({**config.to_dict(), **overrides})
+    return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+@pytest.fixture(scope="module")
+def hf_configs(tmp_path_factory) -> tuple:
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("hf")
+    return folder, write_hf_configs(folder)
+
+
+@pytest.mark.parametrize("name,model_class", [("gpt2", "GPT2LMHeadModel"),
+                                              ("llama", "LlamaForCausalLM")])
+def test_estimate_counts_a_hugging_face_model_as_built_for_real(capsys, hf_configs, name,
+                                                                model_class):
+    folder, configs = hf_configs
+    want = real_parameters(configs[name])
+    by_dir = estimate(capsys, "--model", str(folder / name), "--nproc", "2")
+    by_file = estimate(capsys, "--model", str(folder / name / "config.json"), "--nproc", "2")
+    assert by_dir["parameters"] == by_dir["trainable_parameters"] == want
+    assert by_dir["model_class"] == model_class
+    assert {**by_file, "model": None} == {**by_dir, "model": None}
+
+
+def test_estimate_of_a_config_equals_the_factorys_on_a_mesh(capsys, hf_configs):
+    """The same Llama from config.json and from examples/models.py:llama: the same report,
+    AutoTP's llama preset splitting both alike."""
+    folder, _ = hf_configs
+    argv = ["--nproc", "8", "--tensor-parallel", "2", "--dtype", "fp32"]
+    from_config = estimate(capsys, "--model", str(folder / "llama"), *argv)
+    from_factory = estimate(capsys, "--model", f"{MODELS}:llama", "--model-kwargs",
+                            json.dumps({**json.loads(LLAMA_KW), "max_position_embeddings": 64}),
+                            *argv)
+    assert from_config["mesh"]["parameters_per_rank"] == _llama_counts()[0] - _llama_counts()[1] // 2
+    for report in (from_config, from_factory):
+        del report["model"]
+    assert from_config == from_factory
+
+
+def test_estimate_model_kwargs_change_config_fields(capsys, hf_configs):
+    folder, configs = hf_configs
+    report = estimate(capsys, "--model", str(folder / "gpt2"), "--model-kwargs",
+                      '{"n_layer": 3, "n_embd": 64}')
+    assert report["parameters"] == real_parameters(configs["gpt2"], n_layer=3, n_embd=64)
+    line = usage_error(capsys, "estimate", "--model", str(folder / "gpt2"), "--model-kwargs",
+                       '{"n_layers": 3}')
+    assert line.endswith("--model-kwargs: GPT2Config has no field 'n_layers'; did you mean "
+                         "'n_layer'?")
+
+
+def test_estimate_builds_a_huge_config_without_memory(capsys, hf_configs):
+    """A 10-billion-parameter GPT-2 from the tiny config's file: only the meta device allows it."""
+    folder, _ = hf_configs
+    report = estimate(capsys, "--model", str(folder / "gpt2" / "config.json"), "--model-kwargs",
+                      '{"n_layer": 48, "n_embd": 4096, "n_head": 32}')
+    assert report["parameters"] > 9_000_000_000
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"model_type": "no_such_type"}, "model_type 'no_such_type' is unknown to transformers "),
+    ({"model_type": "gpt2", "architectures": ["GPT2ForEverything"]},
+     "architecture 'GPT2ForEverything' is not in transformers "),
+    ({"model_type": "my_own", "auto_map": {"AutoConfig": "x.MyConfig"}},
+     "comes with its own code (auto_map), which shardtrain does not run"),
+    ({"hidden_size": 8}, "has no model_type"),
+])
+def test_estimate_refuses_a_config_transformers_cannot_build(capsys, tmp_path, fields, message):
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    assert message in usage_error(capsys, "estimate", "--model", str(tmp_path))
+
+
+def test_estimate_says_what_a_model_argument_can_be(capsys, tmp_path, monkeypatch):
+    line = usage_error(capsys, "estimate", "--model", "meta-llama/Llama-3.1-8B")
+    assert "a Hugging Face model directory holding config.json, or a config.json" in line
+    assert "Nothing is downloaded: for a Hub model, fetch its config.json first" in line
+    assert "the directory holds no config.json" in usage_error(
+        capsys, "estimate", "--model", str(tmp_path))
+    assert "no such file" in usage_error(capsys, "estimate", "--model", str(tmp_path / "c.json"))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    assert main(["estimate", "--model", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "needs transformers, which this Python lacks: pip install transformers" in err
 
 
 # -- info -------------------------------------------------------------------------------------

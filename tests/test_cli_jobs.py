@@ -162,9 +162,13 @@ def jobs(tmp_path_factory) -> Iterator[Dict[str, Job]]:
     tmp = tmp_path_factory.mktemp("cli-run")
 
     def two_nodes() -> List[List[str]]:
-        endpoint = f"127.0.0.1:{free_port()}"
-        return [["--nnodes", "2", "--node-rank", str(rank), "--nproc", "1", "--rdzv-endpoint",
-                 endpoint, "--local-rank-arg", *train_args(tmp / "two.json")] for rank in (0, 1)]
+        # node 0 in our spelling, node 1 in torchrun's: both must name the same rendezvous
+        port = free_port()
+        return [["--nnodes", "2", "--node-rank", "0", "--nproc", "1", "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", "--local-rank-arg", *train_args(tmp / "two.json")],
+                ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "1", "--master_addr",
+                 "127.0.0.1", "--master_port", str(port), "--local-rank-arg",
+                 *train_args(tmp / "two.json")]]
 
     # Rank 1 dies after step 5; the last checkpoint before that is step 4's. One spare restart
     # for a restarted group that fails to re-form on a loaded machine; a worker aborting at
@@ -172,7 +176,9 @@ def jobs(tmp_path_factory) -> Iterator[Dict[str, Job]]:
     elastic = ["--nproc", "2", "--max-restarts", "2",
                *train_args(tmp / "elastic.json", "--ckpt", str(tmp / "ckpt"), "--save-every",
                            "2", "--die-at", "5")]
-    example = ["--nproc", "2", EXAMPLE, "--model", "tiny", "--steps", "2", "--sample", "0"]
+    # torchrun's spelling, as the README's `torchrun --nproc_per_node 2 train.py`
+    example = ["--nproc_per_node", "2", EXAMPLE, "--model", "tiny", "--steps", "2", "--sample",
+               "0"]
     states = ["--nproc", "2", STATES, "--out", str(tmp / "states.json"), "--persistence",
               str(PERSISTENCE), "--stages", ",".join(map(str, accepted_stages()))]
     started = {"one": Job([["--nproc", "2", *train_args(tmp / "one.json")]], tmp / "one.json"),
@@ -207,6 +213,7 @@ def one_node(jobs) -> dict:
 
 
 def test_runs_the_example_script_on_two_processes(jobs):
+    """Started as `shardtrain run --nproc_per_node 2`: torchrun's name for --nproc."""
     out = jobs["example"].output()
     assert "2 process(es)" in out and "summary" in out, out[-3000:]
 
@@ -219,7 +226,8 @@ def test_one_node_runs_through_torchrun(one_node):
 
 
 def test_two_nodes_on_loopback_train_like_one_node(jobs, one_node):
-    """Two `shardtrain run --nnodes 2` agents of one process each meet at one endpoint; with
+    """Two `shardtrain run --nnodes 2` agents of one process each meet at one endpoint, one
+    given as --rdzv-endpoint, the other as torchrun's --master_addr and --master_port; with
     --local-rank-arg each worker also gets DeepSpeed's --local_rank argument."""
     two = jobs["two"].result()
     assert two["world"] == 2

@@ -56,6 +56,15 @@ def test_initialize_errors_name_the_fix(tmp_path):
         engine.step()
 
 
+def test_an_empty_config_file_is_named_with_a_minimal_config(tmp_path):
+    """A new user's first train.json, still empty: the error names the file, not a batch key."""
+    path = tmp_path / "train.json"
+    path.write_text("\n")
+    with pytest.raises(shardtrain.ConfigError, match=r"'.*train\.json' is empty\. A minimal config: "
+                       r'\{"train_micro_batch_size_per_gpu": 8'):
+        shardtrain.initialize(model=model(), config=str(path))
+
+
 def test_steps_per_print_logs_lr_scale_and_throughput(records):
     engine, *_ = shardtrain.initialize(model=model(), config={**CONFIG, "steps_per_print": 2})
     step(engine, 4)

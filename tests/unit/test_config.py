@@ -18,6 +18,7 @@ from shardtrain.config import (
     ZeroConfig,
     config_table,
     load_config,
+    read_config_file,
 )
 from shardtrain.config import _planned as planned_module
 from shardtrain.config._model import _submodel
@@ -201,6 +202,48 @@ def test_invalid_json_file(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         load_config(path, WS)
+
+
+@pytest.mark.parametrize("text,says", [
+    ("", "is empty"),
+    ("  \n\t\n", "is empty"),
+    ("// settings to come\n# one day\n", "holds no settings, only comments"),
+    ("[1, 2]", "holds a JSON array ([1, 2]), not a JSON object"),
+    ("42", "holds the number 42, not a JSON object"),
+    ("null", "holds null, not a JSON object"),
+    ("train_batch_size 8\n", 'holds the text "train_batch_size 8", not a JSON object'),
+])
+def test_a_file_without_settings_says_so_and_shows_a_minimal_config(tmp_path, text, says):
+    """What a newcomer meets first: the file named with what is wrong with it (not "Neither
+    train_batch_size nor ..."), and a config that works."""
+    path = tmp_path / "train.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), WS)
+    message = str(info.value)
+    assert message.startswith(f"Config file {str(path)!r} {says}"), message
+    minimal = re.search(r"A minimal config: (\{.*\}); docs/config\.md lists every key\.$", message)
+    assert load_config(json.loads(minimal.group(1)), WS).train_micro_batch_size_per_gpu == 8
+
+
+def test_a_directory_or_an_empty_string_is_not_a_config(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a directory; give the config file in it\.$"):
+        load_config(str(tmp_path), WS)
+    (tmp_path / "ds.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape(f"in it, e.g. {tmp_path / 'ds.json'}.")):
+        load_config(tmp_path, WS)
+    with pytest.raises(ConfigError, match="config is an empty string"):
+        load_config("", WS)
+
+
+def test_read_config_file_gives_the_settings_unvalidated(tmp_path):
+    """What `shardtrain estimate` reads: hjson as load_config reads it, no batch needed."""
+    path = tmp_path / "ds.json"
+    path.write_text("{\n  // the mesh only\n  tensor_parallel: {autotp_size: 2},\n}\n")
+    assert read_config_file(path) == {"tensor_parallel": {"autotp_size": 2}}
+    path.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_config_file(str(path))
 
 
 def test_base64_json():

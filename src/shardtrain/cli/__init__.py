@@ -6,8 +6,11 @@ module owns its command's options, examples and work, and registers itself with
 
 * ``_run``: ``shardtrain run``, a torchrun command line (rendezvous and restarts are
   torchrun's); the workers of ``--local-rank-arg`` start through ``shardtrain._launch_shim``,
-  which stays outside this package because they run it by that module name;
+  which stays outside this package because they run it by that module name; ``_run_flags``
+  holds torchrun's and DeepSpeed's spellings of its options;
 * ``_estimate``: ``shardtrain estimate``, model-state memory per rank for ZeRO stages 0-3;
+* ``_model``: what ``--model`` names (a factory, a Hugging Face directory or config.json),
+  built on the meta device: the one resolver of every command that takes a model;
 * ``_info``: ``shardtrain info``, what a bug report needs;
 * ``_doctor``: ``shardtrain doctor``, every rank's versions and devices, then compute and
   bandwidth across the ranks, naming a slow rank or pair;

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import importlib
-import importlib.metadata
-import importlib.util
 import json
-import os
-import sys
-from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -20,6 +13,7 @@ from ..config import IMPLEMENTED_ZERO_STAGES, ZeroConfig
 from ..memory import BytesPerParam, bytes_per_param, estimate_model_states
 from ._common import (_default_nproc, _Failure, _human, _non_negative_int, _one_line, _plural,
                           _positive_int, _UsageError)
+from ._model import KWARGS_HELP, MODEL_HELP, build_on_meta
 
 _PERSISTENCE_DEFAULT = ZeroConfig.model_fields["param_persistence_threshold"].default
 
@@ -32,9 +26,14 @@ examples:
   shardtrain estimate --model mypkg.models:build --nproc 8 --json
   shardtrain estimate --model mypkg.models:llama --nproc 8 --tensor-parallel 2
   shardtrain estimate --model mypkg.models:build --nproc 8 --config ds_config.json
+  shardtrain estimate --model path/to/Llama-3.1-8B --nproc 8     # a Hugging Face model directory
+  shardtrain estimate --model path/to/config.json --model-kwargs '{"num_hidden_layers": 16}'
 
 FACTORY is called with no arguments (or --model-kwargs) under torch.device("meta"): it must
-only construct the module, not load weights. Bytes per parameter: fp32 params 4, grads 4,
+only construct the module, not load weights. A Hugging Face model directory (or its
+config.json) is built by transformers under torch.device("meta") as the class its
+"architectures" names (AutoModelForCausalLM without one): nothing is downloaded or loaded;
+--model-kwargs changes config.json's fields. Bytes per parameter: fp32 params 4, grads 4,
 Adam 8 (SGD momentum 4); bf16/fp16 params 2, grads 2, and an fp32 master copy (4) on top of
 the optimizer states. Activations, buffers and communication buckets are not included.
 
@@ -53,11 +52,10 @@ def add_parser(commands) -> None:
                     "bytes of parameters, gradients and optimizer states each rank holds at "
                     "ZeRO stages 0-3, with and without optimizer offload, and the formula.",
         epilog=_ESTIMATE_EXAMPLES)
-    est.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                     help="a callable returning an nn.Module: a module importable from here "
-                          "(mypkg.models:build) or a file (path/to/models.py:build)")
+    est.add_argument("--model", required=True, metavar="MODEL",
+                     help=MODEL_HELP)
     est.add_argument("--model-kwargs", type=_json_object, default={}, metavar="JSON",
-                     help="keyword arguments for FACTORY, as a JSON object")
+                     help=KWARGS_HELP)
     est.add_argument("--nproc", type=_positive_int, metavar="N",
                      help="processes per node (default: the number of GPUs, or 1)")
     est.add_argument("--nnodes", type=_positive_int, default=1, metavar="N",
@@ -103,7 +101,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     nproc = args.nproc or _default_nproc()
     config = _read_config(args.config) if args.config else {}
     mesh = _mesh(args, nproc * args.nnodes, config)
-    model = _build_on_meta(args.model, args.model_kwargs)
+    model = build_on_meta(args.model, args.model_kwargs)
     local = _local_numels(model, mesh)
     params = [p for _, p in model.named_parameters()]  # a shared (tied) parameter once
     counts = _ParamCounts(
@@ -115,7 +113,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     masters = args.dtype == "bf16" and _bf16_masters_of(config)
     report = _estimate(counts, nproc, args.nnodes,
                        bytes_per_param(args.dtype, args.optimizer, accum, masters), mesh)
-    report.update(model=args.model, dtype=args.dtype, optimizer=args.optimizer,
+    report.update(model=args.model, model_class=type(model).__name__, dtype=args.dtype, optimizer=args.optimizer,
                   grad_accum_dtype=accum or args.dtype,
                   persistence_threshold=args.persistence_threshold,
                   trainable_parameters=sum(p.numel() for p in params if p.requires_grad))
@@ -184,16 +182,11 @@ def _bf16_masters_of(config: Dict[str, Any]) -> bool:
 
 
 def _read_config(path: str) -> Dict[str, Any]:
+    from ..config import ConfigError, read_config_file
     try:
-        with open(path) as f:
-            value = json.load(f)
-    except OSError as err:
-        raise _UsageError(f"--config {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise _UsageError(f"--config {path} is not JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(value, dict):
-        raise _UsageError(f"--config {path} holds {type(value).__name__}, not a JSON object")
-    return value
+        return read_config_file(path)  # as initialize() reads it: hjson too, the same errors
+    except ConfigError as err:
+        raise _UsageError(str(err)) from None
 
 
 def _local_numels(model: torch.nn.Module, mesh: _Mesh) -> Dict[int, int]:
@@ -245,69 +238,10 @@ _FORMULA = {
 }
 
 
-def _build_on_meta(spec: str, kwargs: Dict[str, Any]) -> torch.nn.Module:
-    factory = _load_factory(spec)
-    try:
-        with torch.device("meta"):
-            model = factory(**kwargs)
-    except Exception as err:  # the user's code: report it in one line, as the other errors
-        call = f"{spec}(**{kwargs})" if kwargs else f"{spec}()"
-        raise _Failure(f"{call} failed on the meta device: {_one_line(err)} (the factory must "
-                       f"only build the module: no weight loading, no .item() on "
-                       f"parameters)") from None
-    if not isinstance(model, torch.nn.Module):
-        raise _UsageError(f"--model {spec} returned {type(model).__name__}, not a "
-                          f"torch.nn.Module")
-    return model
-
-
-def _load_factory(spec: str) -> Callable[..., Any]:
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise _UsageError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:build "
-                          f"or path/to/models.py:build")
-    module = _import_file(where) if where.endswith(".py") else _import_module(where)
-    try:
-        factory = functools.reduce(getattr, name.split("."), module)
-    except AttributeError:
-        raise _UsageError(f"--model {spec}: {where} has no attribute {name!r}") from None
-    if not callable(factory):
-        raise _UsageError(f"--model {spec}: {name} is a {type(factory).__name__}, not a callable")
-    return factory
-
-
-def _import_file(path: str) -> Any:
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise _UsageError(f"--model: no such file {path!r}")
-    sys.path.insert(0, str(file.parent))  # its sibling modules import as in `python file.py`
-    spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:  # a broken model file is the user's code, not a wrong argument
-        raise _Failure(f"importing {path} failed: {_one_line(err)}") from None
-    return module
-
-
-def _import_module(name: str) -> Any:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does: modules of this folder import
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-            raise _Failure(f"importing {name} failed: {_one_line(err)}") from None
-        raise _UsageError(f"--model: cannot import {name!r} ({err}); run from the folder that "
-                          f"holds it, install its package, or give a path ending in .py") from None
-    except Exception as err:  # the module exists but raised: its own bug, not the argument's
-        raise _Failure(f"importing {name} failed: {_one_line(err)}") from None
-
-
 def _estimate_table(r: Dict[str, Any]) -> str:
     b = r["bytes_per_parameter"]
     lines = [
-        f"Model states per rank: {r['model']} (built on the meta device)",
+        f"Model states per rank: {r['model']} ({r['model_class']}, built on the meta device)",
         f"  {r['parameters']:,} parameters ({r['trainable_parameters']:,} trainable; tied "
         f"weights counted once)",
         f"  {r['world_size']} ranks = {_plural(r['nnodes'], 'node')} x "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ._common import _default_nproc, _non_negative_int, _positive_int, _UsageError
+from ._run_flags import add_foreign_options, add_option, spelled
 
 _DEFAULT_PORT = 29500  # DeepSpeed's and torchrun's default rendezvous port
 _RUN_ID = "shardtrain"
@@ -29,6 +30,15 @@ def _nnodes(text: str) -> str:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
     return text if high else str(lo)
+
+
+def _nproc(text: str) -> int:
+    """A number: torchrun's ``gpu``, ``cpu`` and ``auto`` are refused with what to give."""
+    if text in ("gpu", "cpu", "auto"):
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number >= 1, got {text!r}: leave the option out for one process "
+            f"per GPU (1 on a CPU-only machine), or give the number")
+    return _positive_int(text)
 
 
 def _endpoint(text: str) -> str:
@@ -67,6 +77,12 @@ One node without --rdzv-endpoint uses torchrun --standalone (a free local port).
 the nodes meet at --rdzv-endpoint through torchrun's c10d rendezvous; with it torchrun orders
 the nodes itself and --node-rank only picks this host's hostfile line. --rdzv-backend static
 pins node ranks to --node-rank instead, without elastic restarts.
+
+torchrun's and DeepSpeed's spellings work too: --nproc_per_node, --nproc-per-node and
+--num_gpus for --nproc; --num_nodes for --nnodes; --node_rank, --rdzv_endpoint, --rdzv_id,
+--rdzv_backend, --max_restarts, -H; --master_addr/--master_port (HOST:PORT of
+--rdzv-endpoint), --standalone, --no_local_rank. Their other options stop with what to use
+instead (docs/cli.md).
 """
 
 
@@ -79,27 +95,27 @@ def add_parser(commands) -> None:
                     "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "
                     "shardtrain.initialize() reads them.",
         epilog=_RUN_EXAMPLES)
-    run.add_argument("--nproc", type=_positive_int, metavar="N",
-                     help="processes on this node (default: the number of GPUs, or 1 on a "
-                          "CPU-only machine)")
-    run.add_argument("--nnodes", type=_nnodes, metavar="N|MIN:MAX",
-                     help="nodes in the job, or an elastic range (default: 1)")
-    run.add_argument("--node-rank", type=_non_negative_int, metavar="R",
-                     help="this node's rank, 0..nnodes-1 (required by --rdzv-backend static)")
-    run.add_argument("--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT",
-                     help="where the nodes meet: an address of the first node and a free port "
-                          "(required with more than one node)")
-    run.add_argument("--rdzv-id", default=_RUN_ID, metavar="ID",
-                     help=f"job id, the same on every node, e.g. $SLURM_JOB_ID "
-                          f"(default: {_RUN_ID})")
-    run.add_argument("--rdzv-backend", choices=("c10d", "static"), default="c10d",
-                     help="torchrun rendezvous: c10d (elastic, the default) or static "
-                          "(fixed node ranks, no restarts)")
-    run.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="K",
-                     help="restart all workers up to K times after a failure (default: 0)")
-    run.add_argument("--hostfile", type=Path, metavar="FILE",
-                     help='DeepSpeed-style hostfile, one "HOST slots=N" line per node: sets '
-                          "--nnodes, --nproc per node and the endpoint (the first host)")
+    add_option(run, "--nproc", type=_nproc, metavar="N",
+               help="processes on this node (default: the number of GPUs, or 1 on a CPU-only "
+                    "machine)")
+    add_option(run, "--nnodes", type=_nnodes, metavar="N|MIN:MAX",
+               help="nodes in the job, or an elastic range (default: 1)")
+    add_option(run, "--node-rank", type=_non_negative_int, metavar="R",
+               help="this node's rank, 0..nnodes-1 (required by --rdzv-backend static)")
+    add_option(run, "--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT",
+               help="where the nodes meet: an address of the first node and a free port "
+                    "(required with more than one node)")
+    add_option(run, "--rdzv-id", default=_RUN_ID, metavar="ID",
+               help=f"job id, the same on every node, e.g. $SLURM_JOB_ID (default: {_RUN_ID})")
+    add_option(run, "--rdzv-backend", choices=("c10d", "static"), default="c10d",
+               help="torchrun rendezvous: c10d (elastic, the default) or static (fixed node "
+                    "ranks, no restarts)")
+    add_option(run, "--max-restarts", type=_non_negative_int, default=0, metavar="K",
+               help="restart all workers up to K times after a failure (default: 0)")
+    add_option(run, "--hostfile", type=Path, metavar="FILE",
+               help='DeepSpeed-style hostfile, one "HOST slots=N" line per node: sets '
+                    "--nnodes, --nproc per node and the endpoint (the first host)")
+    add_foreign_options(run)
     run.add_argument("--local-rank-arg", action="store_true",
                      help="pass --local_rank=<LOCAL_RANK> to the script, as DeepSpeed's "
                           "launcher does")
@@ -141,6 +157,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not args.module and not Path(args.script).is_file():
         raise _UsageError(f"script not found: {args.script!r} (give a path to a Python file, "
                           f"or -m for a module name)")
+    if args.standalone:
+        _check_standalone(args)
     launches = _hostfile_launches(args) if args.hostfile else [_single_launch(args)]
     if args.dry_run:
         for launch in launches:
@@ -153,25 +171,66 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _check_standalone(args: argparse.Namespace) -> None:
+    """torchrun's ``--standalone`` is what one node does here anyway; anything that makes
+    more than one node contradicts it."""
+    nnodes = args.nnodes or "1"
+    for dest, flag, given in (("rdzv_endpoint", "--rdzv-endpoint", args.rdzv_endpoint),
+                              ("master_addr", "--master_addr", args.master_addr),
+                              ("master_port", "--master_port", args.master_port),
+                              ("hostfile", "--hostfile", args.hostfile),
+                              ("nnodes", "--nnodes", None if nnodes == "1" else nnodes)):
+        if given is not None:
+            raise _UsageError(f"--standalone is one node meeting on a free local port, and "
+                              f"{spelled(args, dest, flag)} {given} asks for a shared "
+                              f"rendezvous: drop one of them")
+
+
+def _meeting_point(args: argparse.Namespace, nodes: int,
+                   default_host: Optional[str]) -> Optional[str]:
+    """--rdzv-endpoint, or the HOST:PORT of torchrun's and DeepSpeed's --master_addr and
+    --master_port (the host defaults to ``default_host``, the port to 29500)."""
+    given = [dest for dest in ("master_addr", "master_port") if getattr(args, dest) is not None]
+    if not given:
+        return args.rdzv_endpoint
+    flag = spelled(args, given[0], "--" + given[0])
+    if args.rdzv_endpoint is not None:
+        raise _UsageError(f"--rdzv-endpoint and {flag} both say where the nodes meet: give "
+                          f"--rdzv-endpoint HOST:PORT alone")
+    host = args.master_addr or default_host
+    if host is None:
+        raise _UsageError(f"{flag} on {nodes} nodes needs --master_addr too: an address of the "
+                          f"first node that all nodes reach")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address, as --rdzv-endpoint takes it
+    return f"{host}:{args.master_port or _DEFAULT_PORT}"
+
+
 def _single_launch(args: argparse.Namespace) -> _Launch:
     nnodes = args.nnodes or "1"
     nproc = args.nproc or _default_nproc()
-    if _max_nodes(nnodes) > 1 and args.rdzv_endpoint is None:
-        raise _UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT: an address of "
-                          f"the first node that all nodes reach, e.g. node0:{_DEFAULT_PORT}")
-    return _Launch("", _torchrun_argv(args, nproc, nnodes, args.node_rank, args.rdzv_endpoint),
+    several = _max_nodes(nnodes) > 1
+    endpoint = _meeting_point(args, _max_nodes(nnodes), None if several else "127.0.0.1")
+    if several and endpoint is None:
+        raise _UsageError(f"{spelled(args, 'nnodes', '--nnodes')} {nnodes} needs --rdzv-endpoint "
+                          f"HOST:PORT (or --master_addr and --master_port): an address of the "
+                          f"first node that all nodes reach, e.g. node0:{_DEFAULT_PORT}")
+    return _Launch("", _torchrun_argv(args, nproc, nnodes, args.node_rank, endpoint),
                    _launch_env(args, nnodes))
 
 
 def _hostfile_launches(args: argparse.Namespace) -> List[_Launch]:
-    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
-        if value is not None:
+    for dest, what in (("nproc", "slots"), ("nnodes", "hosts")):
+        if getattr(args, dest) is not None:
+            flag = spelled(args, dest, "--" + dest)
             raise _UsageError(f"{flag} and --hostfile both say how big the job is; the hostfile "
-                              f"gives nodes and slots, so drop {flag}")
+                              f"gives nodes and slots, so drop {flag} (list only the {what} to "
+                              f"use in the hostfile)")
     hosts = _read_hostfile(args.hostfile)
     nnodes = str(len(hosts))
-    endpoint = args.rdzv_endpoint or (f"{hosts[0].name}:{_DEFAULT_PORT}" if len(hosts) > 1
-                                      else None)
+    endpoint = _meeting_point(args, len(hosts), hosts[0].name)
+    if endpoint is None and len(hosts) > 1:
+        endpoint = f"{hosts[0].name}:{_DEFAULT_PORT}"
     if args.node_rank is not None:
         ranks = [args.node_rank]
     elif args.dry_run:
@@ -231,12 +290,14 @@ def _torchrun_argv(args: argparse.Namespace, nproc: int, nnodes: str, node_rank:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
             "--nproc-per-node", str(nproc)]
     if node_rank is not None and node_rank >= _max_nodes(nnodes):
-        raise _UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+        raise _UsageError(f"{spelled(args, 'node_rank', '--node-rank')} {node_rank} must be below "
+                          f"{spelled(args, 'nnodes', '--nnodes')} {nnodes}")
     if endpoint is None:
         argv.append("--standalone")  # one node: a private rendezvous on a free local port
     elif args.rdzv_backend == "static":
         if node_rank is None:
-            raise _UsageError("--rdzv-backend static needs --node-rank R on every node")
+            raise _UsageError(f"{spelled(args, 'rdzv_backend', '--rdzv-backend')} static needs "
+                              f"--node-rank R on every node")
         if args.max_restarts:
             # The static rendezvous keeps one store for every attempt: a restarted worker can
             # read its predecessors' addresses and never connect (a race; torch 2.13).

@@ -29,7 +29,8 @@ This package is the public face; its modules are private and each holds one idea
 * ``_root``: :class:`ShardConfig`, which runs the whole-config steps once every block is valid:
   ``_batch`` (the batch triple), ``_checks`` (cross-block rules, :func:`situational_notes`) and
   ``_planned`` (the planned-feature gate);
-* ``_load``: :func:`load_config`, from a dict, a JSON/hjson file or base64 JSON;
+* ``_load``: :func:`load_config`, from a dict, a JSON/hjson file or base64 JSON, and
+  :func:`read_config_file`, a file's settings unvalidated;
 * ``_errors``: pydantic's validation errors rewritten as one :class:`ConfigError`;
 * ``_table``: :func:`config_table`, from which ``docs/config.md`` is generated.
 
@@ -47,7 +48,7 @@ from ._autotuning import AutotuningConfig, AutotuningModelInfoConfig
 from ._checkpoint import CheckpointConfig, CheckpointParallelWriteConfig, CheckpointWriterConfig
 from ._checks import situational_notes
 from ._execution import ActivationCheckpointingConfig, CompileConfig
-from ._load import load_config
+from ._load import load_config, read_config_file
 from ._diagnostics import DiagnosticsConfig
 from ._mesh import data_parallel_world, tensor_parallel_size
 from ._model import ConfigError
@@ -111,6 +112,7 @@ __all__ = [
     "CheckpointWriterConfig",
     "config_table",
     "load_config",
+    "read_config_file",
 ]
 
 # The public classes and functions name this package as their home, as they did when it was one

@@ -19,8 +19,9 @@ from pydantic import ValidationError
 from ._errors import _config_error
 from ._model import ConfigError
 from ._root import ShardConfig
+from ._values import _show
 
-__all__ = ["load_config"]
+__all__ = ["load_config", "read_config_file"]
 
 
 def load_config(config: Union[Mapping[str, Any], str, "os.PathLike[str]", ShardConfig], world_size: int,
@@ -65,10 +66,12 @@ def _read(config: Any) -> Dict[str, Any]:
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     if isinstance(config, os.PathLike):
-        return _read_file(Path(config))
+        return read_config_file(config)
     if isinstance(config, str):
-        if os.path.isfile(config):
-            return _read_file(Path(config))
+        if not config.strip():
+            raise ConfigError("config is an empty string; give the path of a JSON file, or a dict.")
+        if os.path.exists(config):
+            return read_config_file(config)
         decoded = _decode_base64(config)
         if decoded is not None:
             return decoded
@@ -78,22 +81,72 @@ def _read(config: Any) -> Dict[str, Any]:
                     f"got {type(config).__name__}.")
 
 
-def _read_file(path: Path) -> Dict[str, Any]:
+def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """The settings a config file holds, as a dict, without validating them.
+
+    The file is read as :func:`load_config` reads it: JSON, or hjson when it is not plain JSON
+    (as DeepSpeed does). Tools that need a few keys of a config whose batch arithmetic they
+    cannot resolve (``shardtrain estimate``) read it here, so every command refuses the same
+    files with the same words.
+
+    Args:
+        path: the config file.
+
+    Returns:
+        The JSON object the file holds.
+
+    Raises:
+        ConfigError: the file is missing, a directory, unreadable, empty, not JSON or hjson,
+            repeats a key, or holds something other than a JSON object; the message names the
+            path and says what a config looks like.
+
+    Example:
+        >>> read_config_file("ds_config.json")["zero_optimization"]
+        {'stage': 2}
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(str(file) for file in path.glob("*.json"))[:3]
+        raise ConfigError(f"Config path {str(path)!r} is a directory; give the config file in it"
+                          + (f", e.g. {' or '.join(found)}." if found else "."))
     if not path.is_file():
         raise ConfigError(f"Config file not found: {str(path)!r} (looked for {str(path.absolute())!r}).")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"Cannot read config file {str(path)!r}: {error}") from None
+    if not text.strip():
+        raise ConfigError(f"Config file {str(path)!r} is empty. {_MINIMAL}")
     try:
         data = _parse_json(text)
     except json.JSONDecodeError as error:
         data = _parse_hjson(text, path, error)
+        if data == {}:  # hjson reads a file of comments alone as {}
+            raise ConfigError(f"Config file {str(path)!r} holds no settings, only comments. "
+                              f"{_MINIMAL}") from None
     except ConfigError as error:
         raise ConfigError(f"Config file {str(path)!r}: {error}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"Config file {str(path)!r} must hold a JSON object; got {type(data).__name__}.")
+        raise ConfigError(f"Config file {str(path)!r} holds {_json_kind(data)}, not a JSON object "
+                          f"of settings. {_MINIMAL}")
     return data
+
+
+# What an empty or wrong-shaped file's message shows: the smallest config initialize() accepts
+# with no optimizer of the script's own.
+_MINIMAL = ('A minimal config: {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", '
+            '"params": {"lr": 0.001}}}; docs/config.md lists every key.')
+
+
+def _json_kind(data: Any) -> str:
+    """What a parsed file holds, in JSON's words (hjson reads bare text as a string)."""
+    if isinstance(data, list):
+        return f"a JSON array ({_show(data)})"
+    if isinstance(data, str):
+        return f"the text {_show(data)}"
+    if data is None:
+        return "null"
+    return f"the {'boolean' if isinstance(data, bool) else 'number'} {_show(data)}"
 
 
 def _decode_base64(text: str) -> Optional[Dict[str, Any]]:
