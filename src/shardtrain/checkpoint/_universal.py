@@ -88,8 +88,11 @@ def _deepspeed_tag(load_dir: str, tag: Optional[str], latest_files: Tuple[str, .
     """The tag of the DeepSpeed checkpoint at ``load_dir`` (``tag``, else the one the first of
     ``latest_files`` there names); None when that tag is no DeepSpeed checkpoint (a
     shardtrain one, or nothing: the usual load takes it and says what is missing)."""
-    if tag is None:
-        tag = latest_tag(load_dir, latest_files) if os.path.isdir(load_dir) else None
+    if tag is None and os.path.isdir(load_dir):
+        try:
+            tag = latest_tag(load_dir, latest_files)
+        except (Problem, ValueError):  # a damaged `latest`: the usual load names it on every rank
+            return None
     if tag is None or not is_tag_dir(os.path.join(load_dir, str(tag))):
         return None
     return str(tag)
