@@ -229,3 +229,16 @@ def test_load_from_fp32_weights_false_rebuilds_masters_from_the_16_bit_weights(t
     assert any(not torch.equal(m, s.param.detach().float().view_as(m)) for m, s in
                zip(saved, loaded.optimizer_slots()))  # the fp32 masters hold more than bf16
     loaded.destroy()
+
+
+def test_a_destroyed_engine_says_so():
+    engine, *_ = shardtrain.initialize(model=model(), config=CONFIG)
+    x = torch.randn(2, engine.module.in_features)
+    engine.destroy()
+    engine.destroy()  # a second call does nothing
+    assert engine.phase is shardtrain.state.Phase.DESTROYED
+    for call in (lambda: engine(x), engine.step, lambda: engine.no_sync().__enter__(),
+                 lambda: engine.save_checkpoint("unused")):
+        with pytest.raises(RuntimeError, match="this engine was destroyed"):
+            call()
+    assert shardtrain.state.live_engines.of_module(engine.module) is None

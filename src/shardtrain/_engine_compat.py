@@ -1,26 +1,30 @@
-"""The engine's DeepSpeed-named queries and hooks for the libraries built on DeepSpeed.
+"""DeepSpeed's engine surface beyond shardtrain's own API: one room, a mixin of
+:class:`shardtrain.Engine`.
 
-:class:`shardtrain.Engine` is DeepSpeed's ``DeepSpeedEngine`` for the Hugging Face Trainer,
-Accelerate, Lightning and DeepSpeed's example scripts, which ask the engine for its
-settings with DeepSpeed's getters (``bfloat16_enabled()``, ``zero_optimization()``,
-``get_batch_info()``...), save weights through ``_zero3_consolidated_16bit_state_dict()``
-and reach model attributes through the engine. Those members live here, apart from the
-training step in ``engine.py``; the engine inherits them.
+The Hugging Face Trainer, Accelerate, Lightning and DeepSpeed's example scripts ask the
+engine for its settings with DeepSpeed's getters (``bfloat16_enabled()``,
+``zero_optimization()``, ``get_batch_info()``...), save weights through
+``_zero3_consolidated_16bit_state_dict()`` and read DeepSpeed's attributes (``mpu``,
+``dp_world_size``, ``tput_timer``...). Every member here restates, under the name DeepSpeed
+gives it, something the engine already has, and reads the engine through its public members
+only (the architecture test checks it): without this file shardtrain still trains, and
+nothing here changes how.
+
+A mixin rather than a facade: the clients call these names on the very object
+``initialize()`` returns, check it with ``isinstance(engine, DeepSpeedEngine)`` and pass it
+on as the model; a second object standing for the engine would have to forward everything
+else too, and two objects would answer to one engine.
 """
 from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _python_gc as python_gc, activation_checkpointing, comm
+from . import _python_gc as python_gc
 from .full_weights import full_state_dict
-from .zero.strategy import ParamSlot
-
-#: engines alive in this process, to find the one that trains a parameter
-_ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class ThroughputTimer:
@@ -156,6 +160,23 @@ class DeepSpeedEngineAPI:
         """``gradient_predivide_factor``."""
         return float(self.config.gradient_predivide_factor)
 
+    def get_mom(self) -> List[Any]:
+        """Each param group's momentum: Adam's ``betas``, else SGD's ``momentum``."""
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Changes the global batch by changing the accumulation steps (the micro-batch
+        stays); the new size must be a multiple of micro-batch x data-parallel ranks."""
+        unit = self.train_micro_batch_size_per_gpu() * self.mesh.dp.size()
+        if train_batch_size <= 0 or train_batch_size % unit:
+            raise ValueError(f"set_train_batch_size({train_batch_size}): give a positive "
+                             f"multiple of train_micro_batch_size_per_gpu x data-parallel "
+                             f"ranks = {unit}.")
+        self.config.gradient_accumulation_steps = train_batch_size // unit
+        self.config.train_batch_size = train_batch_size
+
     def get_batch_info(self) -> Tuple[int, int, int]:
         """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
@@ -180,7 +201,20 @@ class DeepSpeedEngineAPI:
     @property
     def inside_no_sync_ctxt(self) -> bool:
         """Whether a ``no_sync()`` block is active (DeepSpeed's attribute)."""
-        return self._no_sync
+        return self.step_state.no_sync
+
+    @property
+    def mpu(self) -> Any:
+        """DeepSpeed's model-parallel unit for the engine's mesh
+        (:class:`shardtrain.parallel.mpu.MeshMPU`: ``get_{model,data}_parallel_{rank,group,
+        world_size}()`` and the sequence-parallel ones); None with data parallelism alone."""
+        return self.parallelism.mpu
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in the data-parallel group, that read different samples: the world divided
+        by the tensor- and sequence-parallel sizes."""
+        return self.mesh.dp.size()
 
     @property
     def mp_world_size(self) -> int:
@@ -218,81 +252,29 @@ class DeepSpeedEngineAPI:
             if exclude_frozen_parameters else []
         return full_state_dict(self.module, exclude=frozen, rank=0)
 
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """The deprecated name of ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """``engine.module.state_dict()``: full weights at every stage."""
+        return self.module.state_dict(destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+
+    def load_module_state_dict(self, state_dict, strict: bool = True):
+        """``engine.module.load_state_dict()``: full weights into the shards at every stage."""
+        return self.module.load_state_dict(state_dict, strict=strict)
+
     def empty_partition_cache(self) -> None:
         """Releases the stage-3 parameters forward hooks keep gathered (after ``generate()``
         or evaluation); nothing at stages 0-2."""
-        self._strategy.release_all()
+        self.strategy.release_all()
 
     def dump_state(self) -> bool:
         """``dump_state``: whether :meth:`state_report` is logged at start-up (rank 0)."""
         return bool(self.config.dump_state)
 
-    def state_report(self) -> str:
-        """What the engine was built into, one ``name .... value`` line each: the mesh and
-        world sizes, the ZeRO stage, the dtypes, the batch triple, the optimizer and scheduler,
-        the parameters and this rank's model-state bytes."""
-        params = list({id(p): p for p in self.module.parameters()}.values())
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
-        floats = [p.dtype for p in params if p.is_floating_point()]
-        rows = {
-            "world_size": self.world_size, "mesh": repr(self.mesh),
-            "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size,
-            "sequence_parallel_size": self.sequence_parallel_size,
-            "zero_optimization.stage": self.zero_optimization_stage(),
-            "param dtype": floats[0] if floats else None,
-            "communication_data_type": self.communication_data_type,
-            "grad_accum_dtype": self.config.data_types.grad_accum_dtype or (floats[0] if floats else None),
-            "train_batch_size": self.train_batch_size(),
-            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu(),
-            "gradient_accumulation_steps": self.gradient_accumulation_steps(),
-            "gradient_clipping": self.config.gradient_clipping,
-            "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
-            "lr_scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None,
-            "trainable parameters": f"{trainable:,}",
-            "device": self.device,
-            **{f"model states: {k}": f"{v:,} B" for k, v in self.model_state_bytes().items()},
-        }
-        width = max(len(k) for k in rows) + 4
-        return "\n".join(["Engine state:"] + [f"  {k} {'.' * (width - len(k))} {v}" for k, v in rows.items()])
-
     def collect_python_gc(self) -> int:
         """Runs Python's cyclic garbage collector once (with ``disable_python_gc`` it is off
         otherwise); the number of unreachable objects found."""
         return python_gc.collect()
-
-    def destroy(self) -> None:
-        """Detaches the engine from its model: gradient hooks removed, stage-3 parameters
-        released. The process group stays (``shardtrain.destroy()`` ends it)."""
-        self.empty_partition_cache()
-        self._strategy.remove_hooks()
-        self._load_hook.remove()
-        _ENGINES.discard(self)
-        activation_checkpointing.release_mpu(self.mpu)
-        if self.__dict__.pop("_gc_lease", False):
-            python_gc.release()
-        comm.set_position(None, replacing=self._describe_position)
-
-    # -- parameters, as the safe_get_full_* helpers reach them -------------------------------
-
-    @staticmethod
-    def of_parameter(param: torch.Tensor) -> Optional[Any]:
-        """The live engine that trains ``param``, or None."""
-        for engine in list(_ENGINES):
-            if engine.optimizer_slot(param) is not None:
-                return engine
-        return None
-
-    def optimizer_slot(self, param: torch.Tensor) -> Optional[ParamSlot]:
-        """What this rank's optimizer holds of ``param`` (None if the engine does not train it)."""
-        index = self.__dict__.get("_slot_index")
-        if index is None:
-            index = self.__dict__["_slot_index"] = {id(s.param): s for s in self.optimizer_slots()}
-        return index.get(id(param))
-
-    def parameters_changed(self, param: torch.Tensor) -> None:
-        """The optimizer's fp32 copy of ``param`` was written: refresh the module's weight.
-
-        At stages 1-3 each rank refreshes its own slice; the others follow at the next
-        step's all-gather (stages 1-2) or are this rank's shard already (stage 3).
-        """
-        self._strategy.copy_masters_to_params()

@@ -21,7 +21,7 @@ from . import accelerator, activation_checkpointing as checkpointing, comm
 from . import _python_gc as python_gc
 from . import checkpoint as _ckpt
 from ._bounds import CollectiveBounds
-from ._engine_compat import _ENGINES, DeepSpeedEngineAPI
+from ._engine_compat import DeepSpeedEngineAPI
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
 from .errors import GradientsUnavailableError, StepOrderError, UnusedParametersError
@@ -31,9 +31,9 @@ from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
 from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
-from .state import Phase, TrainingParts, TrainState
+from .state import BackwardPass, Phase, StepState, TrainingParts, TrainState, live_engines
 from .telemetry import StepWatch, build_watch
-from .zero.strategy import ParamSlot, ReduceSettings, Strategy, build_strategy
+from .zero.strategy import ParamSlot, ReduceSettings, StrategyProtocol, build_strategy
 
 __all__ = ["Engine"]
 
@@ -75,17 +75,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         comm.set_position(self._describe_position)
         comm.set_check(config.diagnostics.divergence_check)
         self._bounds = CollectiveBounds(config.diagnostics)
-        self._no_sync = False           # inside no_sync(): backward passes do not synchronise
-        self._boundary_override: Optional[bool] = None
-        self._backward_calls = 0        # backward passes since the last step
-        # The backward pass running: its autograd graph task (None until engine.backward's
-        # pass reaches an output hook) and the factor output gradients get.
-        self._backward_task: Optional[int] = None
-        self._backward_factor = 1.0
-        self._step_grads: Optional[List[torch.Tensor]] = None  # reduced, for this step
-        self._step_losses: List[torch.Tensor] = []  # given to engine.backward this step
-        self._step_applied = False
-        self._global_grad_norm: Optional[float] = None
+        self._step = StepState()  # what the step in progress has seen (state.py)
         self._last_print = (time.perf_counter(), 0)
 
         self._precision = Precision.from_config(config, self.device.type)
@@ -93,21 +83,21 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.mesh = build_mesh(config, mpu)
         self._build_module()
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
-        if self.mpu is not None:  # partition_activations and the RNG streams read its group
-            checkpointing.configure(mpu_=self.mpu)
+        if self._parallel.mpu is not None:  # partition_activations and the RNG streams read it
+            checkpointing.configure(mpu_=self._parallel.mpu)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
         if not trainable:
             log_dist("the model has no trainable parameters (requires_grad is False everywhere): "
                      "engine.backward() and engine.step() have nothing to train. Unfreeze "
                      "parameters to train; for evaluation only, this is fine.", ranks=[0],
                      level=logging.WARNING)
-        self._strategy = self._build_strategy(trainable)
+        self._strategy: StrategyProtocol = self._build_strategy(trainable)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (telemetry)
         self._publish_optimizer_flags(overflow=False)
-        _ENGINES.add(self)
+        live_engines.add(self)
         self._gc_lease = bool(self.config.disable_python_gc)
         if self._gc_lease:
             python_gc.acquire()
@@ -167,7 +157,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             lr_scheduler = build_scheduler(spec, self.optimizer)
         return lr_scheduler
 
-    def _build_strategy(self, trainable: List[torch.nn.Parameter]) -> Strategy:
+    def _build_strategy(self, trainable: List[torch.nn.Parameter]) -> StrategyProtocol:
         cfg = self.config
         # Gradients are averaged over the ranks that hold the same parameters: data- and
         # sequence-parallel ones (a tensor-parallel rank's gradient is already its slice's whole).
@@ -189,17 +179,18 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                             f"__getitem__), got {type(training_data).__name__}.")
         # Ranks of one tensor- or sequence-parallel group read the same samples.
         loader = ShardedDataLoader(training_data, self.train_micro_batch_size_per_gpu(),
-                                   self.mesh.dp.rank(), self.dp_world_size, collate_fn,
+                                   self.mesh.dp.rank(), self.mesh.dp.size(), collate_fn,
                                    self.config.dataloader_drop_last,
                                    transform=self._parallel.batch_transform)
         if len(loader) == 0:
             raise ValueError(_no_batches(len(training_data), self.train_micro_batch_size_per_gpu(),
-                                         self.dp_world_size))
+                                         self.mesh.dp.size()))
         return loader
 
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._require_alive("forward()")
         with accelerator.range("shardtrain.forward"), self._in_phase(Phase.FORWARD), \
                 self._watch.forward(inputs, kwargs):
             inputs, kwargs = self._prepare_inputs(inputs, kwargs)
@@ -269,28 +260,31 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         one pass); every output's gradient gets the loss scale, which ``engine.backward``
         applies to the loss itself instead (its pass has factor 1)."""
         task = torch._C._current_graph_task_id()
-        if self._phase is Phase.BACKWARD and self._backward_task in (None, task):
-            self._backward_task = task  # engine.backward's pass, or another of its outputs
+        running = self._step.backward
+        if self._phase is Phase.BACKWARD and running is not None and running.task in (None, task):
+            running.task = task  # engine.backward's pass, or another of its outputs
         else:
             self._begin_backward(task, self._scaler.scale)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self._backward_factor == 1.0 or grad is None:
+        factor = self._step.backward.factor
+        if factor == 1.0 or grad is None:
             return None
-        return grad * self._backward_factor
+        return grad * factor
 
     # -- backward ---------------------------------------------------------------------------
 
     def _synchronising(self) -> bool:
         """Whether the backward starting now averages gradients across ranks."""
-        return not self._no_sync and self.is_gradient_accumulation_boundary()
+        return not self._step.no_sync and self.is_gradient_accumulation_boundary()
 
     def _begin_backward(self, task: Optional[int], factor: float,
                         loss: Optional[torch.Tensor] = None) -> None:
         """A backward pass starts: from ``engine.backward`` (``task`` None, factor 1) or at
         the first output hook of a plain ``loss.backward()``."""
+        self._require_alive("backward()")
         self._phase = Phase.BACKWARD
-        self._backward_task, self._backward_factor = task, factor
-        self._backward_calls += 1
+        self._step.backward = BackwardPass(task, factor)
+        self._step.backward_calls += 1
         self._watch.backward_begin(loss)
         self._strategy.begin_backward(sync=self._synchronising())
 
@@ -298,6 +292,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """The pass ended (after ``loss.backward()`` returned, or as autograd's callback)."""
         self._strategy.end_backward(self.gradient_accumulation_steps())
         self._watch.backward_end()
+        self._step.backward = None
         self._phase = Phase.IDLE
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -314,7 +309,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if not loss.requires_grad:
             raise RuntimeError(f"engine.backward(loss): the loss does not require gradients: "
                                f"{self._why_no_grad()}")
-        self._step_losses.append(loss.detach())
+        self._step.losses.append(loss.detach())
         gas = self.gradient_accumulation_steps()
         factor = self._scaler.scale * (1 if scale_wrt_gas else gas)
         with accelerator.range("shardtrain.backward"), self._in_phase(Phase.BACKWARD):
@@ -322,6 +317,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             try:
                 (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
             except BaseException:
+                self._step.backward = None
                 self._phase = Phase.IDLE
                 raise
             self._end_backward()
@@ -342,30 +338,32 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Valid at ZeRO stages 0 and 1. Stage 2 refuses it: its point is that no rank keeps
         a full gradient, and accumulating locally would need exactly that.
         """
+        self._require_alive("no_sync()")
         if not self._strategy.supports_no_sync:
             raise StepOrderError(
                 f"engine.no_sync() is not available at ZeRO stage {self._strategy.stage}: "
                 "gradients are reduce-scattered every micro-step so that no rank holds a full "
                 "gradient. Use gradient_accumulation_steps instead, or ZeRO stage 0 or 1.")
-        if self._no_sync:
+        if self._step.no_sync:
             raise StepOrderError("engine.no_sync() is already active: no_sync() blocks do not "
                                "nest (DeepSpeed refuses it too); leave the outer block first.")
-        self._no_sync = True
+        self._step.no_sync = True
         try:
             yield
         finally:
-            self._no_sync = False
+            self._step.no_sync = False
 
     # -- step -------------------------------------------------------------------------------
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Counts a micro-step; at the accumulation boundary also updates the parameters."""
+        self._require_alive("step()")
         self._require_optimizer("step")
-        if self._no_sync:
+        if self._step.no_sync:
             raise StepOrderError("engine.step() was called inside engine.no_sync(): leave the "
                                  "no_sync() block for the last micro-batch before stepping.")
         with accelerator.range("shardtrain.step"):
-            self._step_applied = False
+            self._step.applied = False
             with self._in_phase(Phase.STEP):
                 if self.is_gradient_accumulation_boundary():
                     self._require_backward()
@@ -377,7 +375,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _require_backward(self) -> None:
         """An update needs gradients: a step without any backward since the last one would
         apply a zero-gradient update (weight decay, moment decay) and count it."""
-        if self._backward_calls == 0 and not self._strategy.received_grads():
+        if self._step.backward_calls == 0 and not self._strategy.received_grads():
             raise RuntimeError(
                 f"engine.step() at the accumulation boundary (micro-step {self.micro_steps}), "
                 "but no backward ran since the last update: call engine.backward(loss) (or "
@@ -401,7 +399,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self._scaler.update(overflow)
-        self._step_applied = not overflow
+        self._step.applied = not overflow
         self._publish_optimizer_flags(overflow)
         self._watch.lap("optimizer")
         self._clear_grads()
@@ -414,18 +412,18 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             torch._foreach_mul_(grads, 1.0 / scale)
         checks = self._precision.on_nonfinite != "apply"
         if clip <= 0 and not self._precision.overflow_by_norm:  # a finiteness check suffices
-            self._global_grad_norm = None
+            self._step.grad_norm = None
             if not checks or self._strategy.all_finite(grads, self.device):
                 return False
-            self._global_grad_norm = float("inf")
+            self._step.grad_norm = float("inf")
             self._report_nonfinite()
             return True
         norm = self._strategy.global_norm(grads, self.device)
         norm_value = norm.item()  # the one host sync of the step
         reported = self.config.zero_optimization.compute_grad_norm
-        self._global_grad_norm = norm_value if reported else None
+        self._step.grad_norm = norm_value if reported else None
         if checks and not math.isfinite(norm_value):
-            self._global_grad_norm = float("inf")
+            self._step.grad_norm = float("inf")
             self._report_nonfinite()
             return True
         if clip > 0 and grads:
@@ -454,8 +452,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _nonfinite_losses(self) -> str:
         """Which ranks' losses were inf/NaN this step (a collective, on the skip path only)."""
         local = None
-        if self._step_losses:
-            local = not all(bool(torch.isfinite(x).all()) for x in self._step_losses)
+        if self._step.losses:
+            local = not all(bool(torch.isfinite(x).all()) for x in self._step.losses)
         flags = comm.all_gather_object(local)
         bad = [rank for rank, flag in enumerate(flags) if flag]
         if bad:
@@ -467,9 +465,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def _reduced_grads(self) -> List[torch.Tensor]:
         """Finishes this step's gradient reduction (once) and hands the optimizer its
         averaged gradients; they stay attached until the gradients are cleared."""
-        if self._step_grads is None:
-            self._step_grads = self._strategy.optimizer_grads(self.gradient_accumulation_steps())
-        return self._step_grads
+        if self._step.reduced is None:
+            self._step.reduced = self._strategy.optimizer_grads(self.gradient_accumulation_steps())
+        return self._step.reduced
 
     def reduced_gradients(self, what: str = "reduced_gradients") -> List[torch.Tensor]:
         """Completes the gradient reduction of the accumulation boundary now, before
@@ -479,12 +477,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Raises:
             RuntimeError: off an accumulation boundary, or before any backward of this step.
         """
-        if not self.is_gradient_accumulation_boundary() or self._no_sync:
+        if not self.is_gradient_accumulation_boundary() or self._step.no_sync:
             raise GradientsUnavailableError(
                 f"{what}: the averaged gradients exist between the backward of an accumulation "
                 f"boundary and step(); micro-step {self.micro_steps} is not a boundary (or "
                 "no_sync() is active).")
-        if self._step_grads is None and self._backward_calls == 0:
+        if self._step.reduced is None and self._step.backward_calls == 0:
             raise GradientsUnavailableError(f"{what}: no backward has run since the last step.")
         return self._reduced_grads()
 
@@ -504,7 +502,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 f"the gradient accumulated before the boundary is not kept at ZeRO stage "
                 f"{self._strategy.stage}: each micro-step's gradients are reduce-scattered. Read "
                 "gradients between the boundary's backward and step(), or use stage 0 or 1.")
-        if self._step_grads is not None:
+        if self._step.reduced is not None:
             raise GradientsUnavailableError("this step's gradients are averaged already: "
                                             "read them with engine.reduced_gradients().")
         grad = self._strategy.accumulated_grad(param)
@@ -535,8 +533,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self.optimizer.loss_scale = self.optimizer.cur_scale = self._scaler.scale
 
     def _clear_grads(self) -> None:
-        self._step_grads = None
-        self._step_losses = []
+        self._step.clear_gradients()
         self._strategy.zero_grads()
 
     def _advance_counters(self) -> None:
@@ -546,8 +543,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             state.global_samples += self.train_batch_size()
         else:
             per_backward = self.train_batch_size() // self.gradient_accumulation_steps()
-            state.global_samples += per_backward * max(self._backward_calls, 1)
-        self._backward_calls = 0
+            state.global_samples += per_backward * max(self._step.backward_calls, 1)
+        self._step.backward_calls = 0
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
             self._print_progress()
@@ -633,8 +630,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         averages gradients across ranks)."""
         if not self.config.managed_gradient_accumulation:
             return self._phase is Phase.STEP
-        if self._boundary_override is not None:
-            return self._boundary_override
+        if self._step.boundary_override is not None:
+            return self._step.boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -642,7 +639,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if not self.config.managed_gradient_accumulation:
             raise RuntimeError("set_gradient_accumulation_boundary() needs "
                                "managed_gradient_accumulation: true.")
-        self._boundary_override = bool(is_boundary)
+        self._step.boundary_override = bool(is_boundary)
 
     def get_lr(self) -> List[float]:
         """Each param group's learning rate."""
@@ -650,45 +647,15 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return []
         return [float(g.get("lr", 0.0)) for g in self.optimizer.param_groups]
 
-    def get_mom(self) -> List[Any]:
-        """Each param group's momentum: Adam's ``betas``, else SGD's ``momentum``."""
-        if self.optimizer is None:
-            return []
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
-
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """Changes the global batch by changing the accumulation steps (the micro-batch
-        stays); the new size must be a multiple of micro-batch x data-parallel ranks."""
-        unit = self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if train_batch_size <= 0 or train_batch_size % unit:
-            raise ValueError(f"set_train_batch_size({train_batch_size}): give a positive "
-                             f"multiple of train_micro_batch_size_per_gpu x data-parallel "
-                             f"ranks = {unit}.")
-        self.config.gradient_accumulation_steps = train_batch_size // unit
-        self.config.train_batch_size = train_batch_size
-
-    @property
-    def dp_world_size(self) -> int:
-        """Ranks in the data-parallel group, that read different samples (DeepSpeed's
-        attribute): the world divided by the tensor- and sequence-parallel sizes."""
-        return self.mesh.dp.size()
-
-    @property
-    def mpu(self):
-        """DeepSpeed's model-parallel unit for the engine's mesh
-        (:class:`shardtrain.parallel.mpu.MeshMPU`: ``get_{model,data}_parallel_{rank,group,
-        world_size}()`` and the sequence-parallel ones); None with data parallelism alone."""
-        return self._parallel.mpu
-
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled global gradient norm before clipping at the last step (inf after an
         overflow); None before the first step or when nothing needed the norm."""
-        return self._global_grad_norm
+        return self._step.grad_norm
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary ``step()`` updated the parameters (False after an fp16
         overflow)."""
-        return self._step_applied
+        return self._step.applied
 
     def get_loss_scale(self) -> float:
         """The current loss scale (1 unless fp16)."""
@@ -723,11 +690,28 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return self._watch
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> StrategyProtocol:
         """The ZeRO strategy (read-only): where model states live and how they move. The
         engine calls the members of :class:`shardtrain.zero.strategy.StrategyProtocol`;
         ``strategy.stats()`` and ``strategy.units()`` are for diagnostics."""
         return self._strategy
+
+    @property
+    def step_state(self) -> StepState:
+        """What the optimizer step in progress has seen, and how the last one ended
+        (read-only: :class:`shardtrain.state.StepState`)."""
+        return self._step
+
+    @property
+    def phase(self) -> Phase:
+        """Where the engine is in a training step (:class:`shardtrain.state.Phase`)."""
+        return self._phase
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The model parallelism applied to the module (tensor, sequence): its ``mpu`` and
+        the batch transform of sequence parallelism."""
+        return self._parallel
 
     def optimizer_slots(self) -> List[ParamSlot]:
         """What this rank's optimizer holds of each trainable parameter: its slice
@@ -809,19 +793,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         comm.barrier()
         return True
 
-    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """The deprecated name of :meth:`save_16bit_model`."""
-        return self.save_16bit_model(save_dir, save_filename)
-
-    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """``engine.module.state_dict()``: full weights at every stage."""
-        return self.module.state_dict(destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
-
-    def load_module_state_dict(self, state_dict, strict: bool = True):
-        """``engine.module.load_state_dict()``: full weights into the shards at every stage."""
-        return self.module.load_state_dict(state_dict, strict=strict)
-
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine lacks come from the module, as DeepSpeed's engine does:
         ``engine.gradient_checkpointing_enable()`` reaches a Transformers model."""
@@ -842,6 +813,79 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.module.train(mode)
         self.training = mode
         return self
+
+    # -- life cycle and the parameters the engine trains ----------------------------------
+
+    def destroy(self) -> None:
+        """Detaches the engine from its model: gradient hooks removed, stage-3 parameters
+        released, the engine leaves the registry of live engines. The process group stays
+        (``shardtrain.destroy()`` ends it). A second call does nothing; any training call
+        afterwards raises."""
+        if self._phase is Phase.DESTROYED:
+            return
+        self._strategy.release_all()
+        self._strategy.remove_hooks()
+        self._load_hook.remove()
+        live_engines.discard(self)
+        checkpointing.release_mpu(self._parallel.mpu)
+        if self._gc_lease:
+            python_gc.release()
+            self._gc_lease = False
+        comm.set_position(None, replacing=self._describe_position)
+        self._phase = Phase.DESTROYED
+
+    def _require_alive(self, what: str) -> None:
+        if self._phase is Phase.DESTROYED:
+            raise RuntimeError(f"engine.{what}: this engine was destroyed (engine.destroy()); "
+                               "build a new one with shardtrain.initialize().")
+
+    @staticmethod
+    def of_parameter(param: torch.Tensor) -> Optional["Engine"]:
+        """The live engine that trains ``param``, or None."""
+        return live_engines.of_parameter(param)
+
+    def optimizer_slot(self, param: torch.Tensor) -> Optional[ParamSlot]:
+        """What this rank's optimizer holds of ``param`` (None if the engine does not train it)."""
+        index = self.__dict__.get("_slot_index")
+        if index is None:
+            index = self.__dict__["_slot_index"] = {id(s.param): s for s in self.optimizer_slots()}
+        return index.get(id(param))
+
+    def parameters_changed(self, param: torch.Tensor) -> None:
+        """The optimizer's fp32 copy of ``param`` was written: refresh the module's weight.
+
+        At stages 1-3 each rank refreshes its own slice; the others follow at the next
+        step's all-gather (stages 1-2) or are this rank's shard already (stage 3).
+        """
+        self._strategy.copy_masters_to_params()
+
+    def state_report(self) -> str:
+        """What the engine was built into, one ``name .... value`` line each: the mesh and
+        world sizes, the ZeRO stage, the dtypes, the batch triple, the optimizer and scheduler,
+        the parameters and this rank's model-state bytes (``dump_state`` logs it at start)."""
+        params = list({id(p): p for p in self.module.parameters()}.values())
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+        floats = [p.dtype for p in params if p.is_floating_point()]
+        rows = {
+            "world_size": self.world_size, "mesh": repr(self.mesh),
+            "dp_world_size": self.mesh.dp.size(), "mp_world_size": self.mesh.tp.size(),
+            "sequence_parallel_size": self.mesh.sp.size(),
+            "zero_optimization.stage": self.zero_optimization_stage(),
+            "param dtype": floats[0] if floats else None,
+            "communication_data_type": self.config.comm_dtype(self.mesh.sp.size() > 1),
+            "grad_accum_dtype": self.config.data_types.grad_accum_dtype or (floats[0] if floats else None),
+            "train_batch_size": self.train_batch_size(),
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu(),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps(),
+            "gradient_clipping": self.config.gradient_clipping,
+            "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
+            "lr_scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None,
+            "trainable parameters": f"{trainable:,}",
+            "device": self.device,
+            **{f"model states: {k}": f"{v:,} B" for k, v in self.model_state_bytes().items()},
+        }
+        width = max(len(k) for k in rows) + 4
+        return "\n".join(["Engine state:"] + [f"  {k} {'.' * (width - len(k))} {v}" for k, v in rows.items()])
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -873,6 +917,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> engine.save_checkpoint("checkpoints", client_state={"epoch": 3})
         """
+        self._require_alive("save_checkpoint()")
         return _ckpt.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                      exclude_frozen_parameters)
 
@@ -912,6 +957,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
+        self._require_alive("load_checkpoint()")
         path, client_state = _ckpt.load_universal(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,

@@ -1,9 +1,16 @@
 """The engine's life cycle and its training counters.
 
-* :class:`Phase` is where the engine is in a training step. One value replaces the loose
-  flags a step would otherwise need ("inside step()", "inside engine.backward", "a callback
-  is queued"); the engine moves it at the edges of forward, backward and step, and every
-  question about the step in progress reads it.
+* :class:`Phase` is where the engine is in a training step, or that it was destroyed. One
+  value replaces the loose flags a step would otherwise need ("inside step()", "inside
+  engine.backward", "a callback is queued"); the engine moves it at the edges of forward,
+  backward, step and ``destroy()``, and every question about the step in progress reads it.
+* :class:`StepState` is what the optimizer step in progress has seen (``no_sync()``, the
+  boundary override, the backward pass running and how many ran, the reduced gradients, the
+  losses) and how the last one ended; the engine starts a new one at each update.
+* :data:`live_engines` is the registry of the engines alive in this process
+  (:class:`LiveEngines`): the rooms below the engine (pretrained weights, the ``deepspeed``
+  tree's ``safe_get_full_*``) find the engine that trains a module or a parameter there,
+  through the members :class:`RegisteredEngine` names, without importing the engine.
 * :class:`TrainState` holds the counters DeepSpeed's engine exposes (``global_steps``,
   ``global_samples``, ``skipped_steps``, ``micro_steps``) as one stateful part, with
   ``state_dict``/``load_state_dict`` as ``torch.distributed.checkpoint`` expects of its parts.
@@ -19,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Dict, Mapping, Optional, Sequence
+import weakref
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence
 
 import torch
 
-__all__ = ["Phase", "TrainState", "TrainingParts"]
+__all__ = ["Phase", "BackwardPass", "StepState", "TrainState", "TrainingParts",
+           "RegisteredEngine", "LiveEngines", "live_engines"]
 
 
 class Phase(enum.Enum):
@@ -33,6 +42,52 @@ class Phase(enum.Enum):
     FORWARD = "forward"     # inside engine(*inputs), with gradients enabled
     BACKWARD = "backward"   # a backward pass runs (engine.backward or a plain loss.backward)
     STEP = "step"           # inside engine.step()
+    DESTROYED = "destroyed"  # after engine.destroy(): nothing more runs
+
+
+@dataclasses.dataclass
+class BackwardPass:
+    """The backward pass running.
+
+    Attributes:
+        task: its autograd graph task, None until ``engine.backward``'s pass reaches an
+            output hook (a plain ``loss.backward()`` is known by its task from the start).
+        factor: what each output's gradient is multiplied by: 1 for ``engine.backward``,
+            which scales the loss itself; the loss scale for a plain ``loss.backward()``.
+    """
+
+    task: Optional[int]
+    factor: float
+
+
+@dataclasses.dataclass
+class StepState:
+    """What the optimizer step in progress has seen, and how the last one ended.
+
+    Attributes:
+        no_sync: inside ``engine.no_sync()``: backward passes do not synchronise.
+        boundary_override: ``set_gradient_accumulation_boundary``'s value (sticky), or None.
+        backward: the backward pass running, or None.
+        backward_calls: backward passes since the last update.
+        reduced: the averaged gradients the optimizer will take, once reduced (this step).
+        losses: the losses given to ``engine.backward`` (this step).
+        applied: whether the last boundary ``step()`` updated the parameters.
+        grad_norm: the unscaled global gradient norm of the last update (inf after an
+            overflow; None when nothing needed it).
+    """
+
+    no_sync: bool = False
+    boundary_override: Optional[bool] = None
+    backward: Optional[BackwardPass] = None
+    backward_calls: int = 0
+    reduced: Optional[List[torch.Tensor]] = None
+    losses: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    applied: bool = False
+    grad_norm: Optional[float] = None
+
+    def clear_gradients(self) -> None:
+        """The gradients of this step are dropped (after an update, or ``zero_grad()``)."""
+        self.reduced, self.losses = None, []
 
 
 @dataclasses.dataclass
@@ -101,3 +156,47 @@ class TrainingParts:
     gradient_accumulation_steps: int
     device: torch.device
     mesh: Any = None
+
+
+class RegisteredEngine(Protocol):
+    """What the rooms below the engine use of a live engine."""
+
+    module: torch.nn.Module
+
+    @property
+    def strategy(self) -> Any:
+        """The ZeRO strategy (``refresh_masters``, ``copy_masters_to_params``)."""
+
+    def optimizer_slot(self, param: torch.Tensor) -> Any:
+        """What this rank's optimizer holds of ``param``, or None."""
+
+
+class LiveEngines:
+    """The engines alive in this process (weak references: a dropped engine leaves)."""
+
+    def __init__(self) -> None:
+        self._engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def add(self, engine: RegisteredEngine) -> None:
+        self._engines.add(engine)
+
+    def discard(self, engine: RegisteredEngine) -> None:
+        self._engines.discard(engine)
+
+    def __iter__(self) -> Iterator[RegisteredEngine]:
+        return iter(list(self._engines))
+
+    def __contains__(self, engine: object) -> bool:
+        return engine in self._engines
+
+    def of_module(self, module: torch.nn.Module) -> Optional[RegisteredEngine]:
+        """The live engine that wraps ``module``, or None."""
+        return next((e for e in self if e.module is module), None)
+
+    def of_parameter(self, param: torch.Tensor) -> Optional[RegisteredEngine]:
+        """The live engine that trains ``param``, or None."""
+        return next((e for e in self if e.optimizer_slot(param) is not None), None)
+
+
+#: The registry every engine joins when built and leaves at ``destroy()``.
+live_engines = LiveEngines()

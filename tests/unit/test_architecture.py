@@ -130,3 +130,17 @@ def test_public_api_is_frozen():
         "initialize", "init_distributed", "destroy", "Engine", "ShardConfig", "ConfigError",
         "load_config", "log_dist", "log_dist_once", "add_config_arguments", "comm",
         "accelerator", "zero", "checkpointing", "utils", "errors", "load_pretrained", "__version__"])
+
+
+def test_the_deepspeed_surface_reads_only_the_engines_public_members():
+    """``_engine_compat`` restates what the engine has under DeepSpeed's names: it reads
+    the engine (``self``) through public members only, and holds no life cycle of its own."""
+    tree = ast.parse((SRC / "_engine_compat.py").read_text())
+    mixin = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+                 and n.name == "DeepSpeedEngineAPI")
+    private = sorted({node.attr for node in ast.walk(mixin) if isinstance(node, ast.Attribute)
+                      and dotted(node.value) == "self" and node.attr.startswith("_")
+                      and node.attr != "__dict__"})
+    assert not private, private
+    names = {n.name for n in mixin.body if isinstance(n, ast.FunctionDef)}
+    assert not names & {"destroy", "of_parameter", "optimizer_slot", "parameters_changed"}

@@ -31,7 +31,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .._engine_compat import _ENGINES, DeepSpeedEngineAPI
+from ..state import RegisteredEngine, live_engines
 from ._files import WeightFiles
 from ._match import match, refuse_differences, refuse_mismatches
 from ._write import load_target, regather
@@ -97,12 +97,11 @@ def load_pretrained(model: torch.nn.Module, path: Union[str, Path], strict: bool
 
 
 def _module_and_engine(model: torch.nn.Module
-                       ) -> Tuple[torch.nn.Module, Optional[DeepSpeedEngineAPI]]:
+                       ) -> Tuple[torch.nn.Module, Optional[RegisteredEngine]]:
     """The module to fill and the live engine that trains it, if any."""
-    if isinstance(model, DeepSpeedEngineAPI):
+    if model in live_engines:  # an engine itself
         return model.module, model
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"load_pretrained(model, ...) needs a torch.nn.Module or an engine, got "
                         f"{type(model).__name__}.")
-    engine = next((e for e in list(_ENGINES) if e.module is model), None)
-    return model, engine
+    return model, live_engines.of_module(model)
