@@ -1,8 +1,12 @@
-"""The training engine: forward, backward and step around a user's model.
+"""The training engine: forward, backward and step around a user's model, and its life cycle.
 
-The engine orchestrates; it issues no collective and never branches on device type. Where
-data lives and how it moves is the ZeRO strategy's job, numeric formats the precision
-policy's, and the optimizer and schedule come from ``optim``.
+The engine orchestrates and never branches on device type. Where data lives and how it moves
+is the ZeRO strategy's job (:class:`shardtrain.zero.strategy.StrategyProtocol` is all the
+engine asks of it), numeric formats the precision policy's, and the optimizer and schedule
+come from ``optim``. Its own collectives are few and named: the start-up broadcast that makes
+replicas identical, the divergence check before an update (when configured), the roll call of
+which ranks' losses were not finite (on a skipped step only) and the barrier after saving
+full weights. DeepSpeed's names for what it has live in ``_engine_compat``.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
 from .state import BackwardPass, Phase, StepState, TrainingParts, TrainState, live_engines
 from .telemetry import StepWatch, build_watch
-from .zero.strategy import ParamSlot, ReduceSettings, StrategyProtocol, build_strategy
+from .zero.strategy import ParamSlot, ReducedGrads, ReduceSettings, StrategyProtocol, build_strategy
 
 __all__ = ["Engine"]
 
@@ -386,7 +390,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._watch.step_begin()
         grads = self._reduced_grads()
         if not self.config.zero_optimization.ignore_unused_parameters:
-            self._check_unused_parameters()
+            self._check_unused_parameters(grads.unused)
         if comm.check_mode() != "off":  # before the update: a diverged rank changes nothing
             comm.check_agreement(f"at step {self.global_steps + 1}")
         self._watch.lap("reduce")  # the gradient reduction still in flight has landed
@@ -405,20 +409,20 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._clear_grads()
         self._advance_counters()
 
-    def _unscale_and_clip(self, grads: List[torch.Tensor]) -> bool:
+    def _unscale_and_clip(self, reduced: ReducedGrads) -> bool:
         """Unscales, measures the global norm, clips; returns True on inf/NaN (overflow)."""
-        scale, clip = self._scaler.scale, self.config.gradient_clipping
+        scale, clip, grads = self._scaler.scale, self.config.gradient_clipping, reduced.tensors
         if scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / scale)
         checks = self._precision.on_nonfinite != "apply"
         if clip <= 0 and not self._precision.overflow_by_norm:  # a finiteness check suffices
             self._step.grad_norm = None
-            if not checks or self._strategy.all_finite(grads, self.device):
+            if not checks or self._strategy.all_finite(reduced, self.device):
                 return False
             self._step.grad_norm = float("inf")
             self._report_nonfinite()
             return True
-        norm = self._strategy.global_norm(grads, self.device)
+        norm = self._strategy.global_norm(reduced, self.device)
         norm_value = norm.item()  # the one host sync of the step
         reported = self.config.zero_optimization.compute_grad_norm
         self._step.grad_norm = norm_value if reported else None
@@ -462,7 +466,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return "the losses were finite on every rank: inf/NaN arose in backward"
         return "which rank's loss was not finite is known when every rank calls engine.backward(loss)"
 
-    def _reduced_grads(self) -> List[torch.Tensor]:
+    def _reduced_grads(self) -> ReducedGrads:
         """Finishes this step's gradient reduction (once) and hands the optimizer its
         averaged gradients; they stay attached until the gradients are cleared."""
         if self._step.reduced is None:
@@ -484,7 +488,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 "no_sync() is active).")
         if self._step.reduced is None and self._step.backward_calls == 0:
             raise GradientsUnavailableError(f"{what}: no backward has run since the last step.")
-        return self._reduced_grads()
+        return self._reduced_grads().tensors
 
     def accumulated_gradient(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         """This rank's gradient of ``param`` accumulated since the last step and not averaged
@@ -511,11 +515,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         factor = 1.0 / (self._scaler.scale * self.gradient_accumulation_steps())
         return grad.detach().float() * factor
 
-    def _check_unused_parameters(self) -> None:
+    def _check_unused_parameters(self, params: List[torch.nn.Parameter]) -> None:
         """``ignore_unused_parameters: false``: every trainable parameter must have got a
         gradient on some rank this step (the same answer on every rank: it comes from the
         reduced used-flags)."""
-        unused = set(map(id, self._strategy.unused_params()))
+        unused = set(map(id, params))
         if not unused:
             return
         names = [n for n, p in self.module.named_parameters() if id(p) in unused]

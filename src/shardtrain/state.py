@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Seque
 import torch
 
 __all__ = ["Phase", "BackwardPass", "StepState", "TrainState", "TrainingParts",
-           "RegisteredEngine", "LiveEngines", "live_engines"]
+           "RegisteredEngine", "EngineFace", "LiveEngines", "live_engines"]
 
 
 class Phase(enum.Enum):
@@ -69,7 +69,8 @@ class StepState:
         boundary_override: ``set_gradient_accumulation_boundary``'s value (sticky), or None.
         backward: the backward pass running, or None.
         backward_calls: backward passes since the last update.
-        reduced: the averaged gradients the optimizer will take, once reduced (this step).
+        reduced: the averaged gradients the optimizer will take, once reduced (this step;
+            :class:`shardtrain.zero.strategy.ReducedGrads`).
         losses: the losses given to ``engine.backward`` (this step).
         applied: whether the last boundary ``step()`` updated the parameters.
         grad_norm: the unscaled global gradient norm of the last update (inf after an
@@ -80,7 +81,7 @@ class StepState:
     boundary_override: Optional[bool] = None
     backward: Optional[BackwardPass] = None
     backward_calls: int = 0
-    reduced: Optional[List[torch.Tensor]] = None
+    reduced: Any = None
     losses: List[torch.Tensor] = dataclasses.field(default_factory=list)
     applied: bool = False
     grad_norm: Optional[float] = None
@@ -200,3 +201,43 @@ class LiveEngines:
 
 #: The registry every engine joins when built and leaves at ``destroy()``.
 live_engines = LiveEngines()
+
+
+class EngineFace(Protocol):
+    """The engine as telemetry and autotuning read it: counters, settings, the mesh and the
+    step's outcome. Checkpoints read it through :class:`TrainingParts` instead."""
+
+    config: Any
+    module: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    mesh: Any
+    device: torch.device
+    global_rank: int
+    world_size: int
+    global_steps: int
+    global_samples: int
+    micro_steps: int
+
+    @property
+    def monitor(self) -> Any:
+        """The step watch (telemetry)."""
+
+    def train_batch_size(self) -> int: ...
+
+    def train_micro_batch_size_per_gpu(self) -> int: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def zero_optimization_stage(self) -> int: ...
+
+    def get_lr(self) -> List[float]: ...
+
+    def get_loss_scale(self) -> float: ...
+
+    def get_global_grad_norm(self) -> Optional[float]: ...
+
+    def was_step_applied(self) -> bool: ...
+
+    def model_state_bytes(self) -> Dict[str, int]: ...
+
+    def log_metrics(self, step: Optional[int] = None, **values: Any) -> None: ...

@@ -16,6 +16,7 @@ from .. import accelerator, comm
 from ..log import log_dist
 from ._json import write_json
 from .budget import MEMORY_BUDGET_ENV, OutOfMemoryError, memory_budget_from_env
+from ..state import EngineFace
 
 if TYPE_CHECKING:
     from ..telemetry.activation import ActivationMemory
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["TuningProbe", "model_info_record"]
 
 
-def model_info_record(engine: Any, activation: ActivationMemory, micro_batch: int) -> Dict[str, Any]:
+def model_info_record(engine: EngineFace, activation: ActivationMemory, micro_batch: int) -> Dict[str, Any]:
     """The model-info profile of a running engine (DeepSpeed's keys first, then shardtrain's).
 
     Called after an optimizer step, when gradients and optimizer states exist.
@@ -50,7 +51,7 @@ def model_info_record(engine: Any, activation: ActivationMemory, micro_batch: in
     }
 
 
-def _bytes_per_param(engine: Any, states: Dict[str, int]) -> Dict[str, float]:
+def _bytes_per_param(engine: EngineFace, states: Dict[str, int]) -> Dict[str, float]:
     """p, g and K of the ZeRO formula, as measured: each category's bytes over the elements
     it is made of, which holds at any stage and world size."""
     params = [p for p in engine.module.parameters() if p.is_floating_point()]
@@ -99,7 +100,7 @@ class TuningProbe:
     def active(self) -> bool:
         return self.profile or self.trial
 
-    def after_step(self, engine: Any, peaks: List[int], activation: Optional[ActivationMemory],
+    def after_step(self, engine: EngineFace, peaks: List[int], activation: Optional[ActivationMemory],
                    flops_per_step: Optional[float]) -> None:
         """Called on every rank after each optimizer step, with every rank's peak memory."""
         self.peak = max([self.peak, *peaks])

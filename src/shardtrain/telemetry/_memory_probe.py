@@ -10,12 +10,13 @@ is capped instead (:func:`shardtrain.accelerator.limit_memory`) and fails by its
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 from .. import accelerator
 from .._sizes import format_bytes
 from ..autotune.budget import MEMORY_BUDGET_ENV, OutOfMemoryError
 from .activation import ActivationMemory, SavedTensorMeter
+from ..state import EngineFace
 
 
 class MemoryProbe:
@@ -24,7 +25,7 @@ class MemoryProbe:
     (a model-info profile) each forward is measured on CUDA too, into ``last_forward``. With
     a ``budget`` (bytes) the CPU's measures are held to it after each forward and step."""
 
-    def __init__(self, engine: Any, per_forward: bool, budget: Optional[int] = None):
+    def __init__(self, engine: EngineFace, per_forward: bool, budget: Optional[int] = None):
         self.engine = engine
         self.cuda = accelerator.is_cuda()
         self.per_forward = per_forward

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ from .._sizes import format_bytes
 from ..autotune.budget import OutOfMemoryError
 from ..memory import bytes_per_param, estimate_model_states
 from ..zero import GATHERING
+from ..state import EngineFace
 
 #: Environment variable naming a directory: on CUDA, each rank writes its allocator's
 #: recorded history there when it runs out of memory (``oom-rank<R>.pickle``).
@@ -96,7 +97,7 @@ class OomReporter:
     """Turns an out-of-memory error escaping the engine into a report (:meth:`report`);
     starts the CUDA allocator's history when ``SHARDTRAIN_MEMORY_SNAPSHOT`` is set."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineFace):
         self.engine = engine
         self.snapshot_dir = os.environ.get(SNAPSHOT_ENV) or None
         self.recording = bool(self.snapshot_dir) and accelerator.record_memory_history(SNAPSHOT_ENTRIES)
@@ -164,7 +165,7 @@ def gathered_module(error: BaseException, module: torch.nn.Module) -> Optional[s
         return repr(name)
 
 
-def predicted_model_states(engine: Any) -> Tuple[int, str]:
+def predicted_model_states(engine: EngineFace) -> Tuple[int, str]:
     """What ``shardtrain estimate`` predicts for this rank's model states: its formula with
     the engine's parameter dtype and optimizer, over the ranks ZeRO shards over. Returns
     ``(bytes, how)``."""
@@ -191,7 +192,7 @@ def predicted_model_states(engine: Any) -> Tuple[int, str]:
     return total, how
 
 
-def advice(engine: Any) -> List[str]:
+def advice(engine: EngineFace) -> List[str]:
     """What to try, most direct first, leaving out what is already on."""
     stage = engine.zero_optimization_stage()
     out = ["lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps to keep "

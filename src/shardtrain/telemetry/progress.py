@@ -17,6 +17,7 @@ import time
 from typing import Any, Optional
 
 from .. import comm
+from ..state import EngineFace
 
 __all__ = ["Progress"]
 
@@ -41,7 +42,7 @@ class Progress:
     """
 
     def __init__(self, total: int, desc: str = "train", enabled: Optional[bool] = None,
-                 every: int = 0, engine: Any = None):
+                 every: int = 0, engine: Optional[EngineFace] = None):
         self.total, self.desc, self.every, self.engine = total, desc, every, engine
         self.rank0 = comm.get_rank() == 0
         tty = sys.stderr.isatty()

@@ -32,6 +32,7 @@ from . import comms
 from .flops import peak_flops
 from .monitors import build_monitors, monitoring
 from .timers import Timers
+from ..state import EngineFace
 
 __all__ = ["StepWatch", "build_watch"]
 
@@ -45,7 +46,7 @@ class StepWatch:
     device synchronisation and no collective.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineFace):
         cfg = engine.config
         self.engine = engine
         self.rank0 = engine.global_rank == 0
@@ -85,7 +86,7 @@ class StepWatch:
             log_dist_once("wall_clock_breakdown is on but steps_per_print is not set: the timers go to "
                           "the monitors only; set steps_per_print to log them.", level=20)
 
-    def _build_flops(self, engine: Any) -> Optional[FlopsWindow]:
+    def _build_flops(self, engine: EngineFace) -> Optional[FlopsWindow]:
         cfg = engine.config
         step = None
         if cfg.flops_profiler.enabled and self.rank0:
@@ -332,7 +333,7 @@ class StepWatch:
         self.monitors = []
 
 
-def build_watch(engine: Any) -> StepWatch:
+def build_watch(engine: EngineFace) -> StepWatch:
     """The engine's :class:`StepWatch`, from its config (monitors, timers, profilers)."""
     return StepWatch(engine)
 

@@ -76,7 +76,6 @@ class OptimizerView:
         self.masters = [t for p, src, t in zip(self.params, self.sources, self.tensors)
                         if t is not None and not _shares(t, src)]
         self._host_grads: dict = {}
-        self._split: List[bool] = []
 
     def _optimizer_tensor(self, p: torch.nn.Parameter, src: torch.Tensor, lo: int,
                           hi: int) -> Optional[torch.nn.Parameter]:
@@ -113,14 +112,13 @@ class OptimizerView:
     def load_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         """Attaches the reduced gradient of each slice (fp32 for masters; in host memory
         when the optimizer is offloaded); returns them."""
-        out, self._split = [], []
-        for p, tensor, grad in zip(self.params, self.tensors, grads):
+        out = []
+        for tensor, grad in zip(self.tensors, grads):
             if tensor is None:
                 continue
             if grad is None:
                 tensor.grad = None
                 continue
-            self._split.append(_is_tensor_parallel_slice(p))
             if grad.shape != tensor.shape:  # a flat shard of a parameter held whole
                 grad = grad.view(tensor.shape)
             if grad.dtype != tensor.dtype or grad.device != tensor.device:
@@ -131,10 +129,11 @@ class OptimizerView:
             accelerator.synchronize()  # the non-blocking copies to host must have landed
         return out
 
-    def split_grads(self) -> List[bool]:
-        """For each gradient :meth:`load_grads` returned: whether its parameter is a
-        tensor-parallel slice (``tp_split``)."""
-        return self._split
+    def split_flags(self, grads: Sequence[Optional[torch.Tensor]]) -> List[bool]:
+        """For each gradient :meth:`load_grads` returns for ``grads``: whether its parameter
+        is a tensor-parallel slice (``tp_split``)."""
+        return [_is_tensor_parallel_slice(p) for p, tensor, grad in
+                zip(self.params, self.tensors, grads) if tensor is not None and grad is not None]
 
     def _to_optimizer(self, tensor: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if tensor.device == grad.device:

@@ -1,18 +1,18 @@
 """Gradient reducers: how each rank's gradients become the averaged gradient the optimizer
 steps with.
 
-Three reducers cover the four stages, one per way of holding and moving gradients:
+Two gradient holders (:class:`GradientHolder`) cover the four stages, one per way of
+keeping gradients between micro-steps:
 
-* :class:`ReplicatedGrads` (stage 0): full gradients accumulate in flat buckets (each
-  ``.grad`` is a view into one); at a synchronising backward each bucket is all-reduced in
-  place, so every rank ends up with the whole averaged gradient.
-* :class:`ScatterAtBoundary` (stage 1): full gradients accumulate the same way; at a
-  synchronising backward each bucket is reduce-scattered, so each rank keeps only the
-  averaged slices its optimizer updates.
-* :class:`ScatterEveryMicroStep` (stages 2 and 3): every backward's gradients are
-  reduce-scattered as soon as a bucket is ready and freed at once; each rank adds its
-  reduced slices into a gradient shard. No rank keeps a full gradient for longer than its
-  bucket, which is why ``no_sync()`` is refused there.
+* :class:`FullGrads` (stages 0-1): full gradients accumulate in flat buckets (each ``.grad``
+  is a view into one); at a synchronising backward each bucket goes through its exchange:
+  :class:`AllReduceExchange` (stage 0) all-reduces it in place, so every rank ends up with
+  the whole averaged gradient; :class:`ScatterExchange` (stage 1) reduce-scatters it, so
+  each rank keeps only the averaged slices its optimizer updates.
+* :class:`ShardedGrads` (stages 2 and 3): every backward's gradients are reduce-scattered
+  as soon as a bucket is ready and freed at once; each rank adds its reduced slices into a
+  gradient shard (:class:`ScatterRows` lays them out). No rank keeps a full gradient for
+  longer than its bucket, which is why ``no_sync()`` is refused there.
 
 Whether a backward synchronises is the caller's decision, passed to :meth:`begin_backward`
 (the engine knows the accumulation boundary and ``no_sync()``); a reducer never asks. A
@@ -27,7 +27,7 @@ and the parameter keeps ``grad=None`` as single-process training would.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -37,6 +37,42 @@ from ._buckets import FlatBucket
 from ._shards import ShardLayout, full_numel
 
 Grads = List[Optional[torch.Tensor]]
+
+
+class GradientHolder(Protocol):
+    """Where gradients go between backward and the step: :class:`FullGrads` (stages 0-1)
+    and :class:`ShardedGrads` (stages 2-3) answer the same calls, in this order."""
+
+    keeps_full: bool  # a full gradient per parameter lives here between micro-steps
+    received: bool    # a gradient arrived since the last :meth:`zero`
+
+    @property
+    def buckets(self) -> List[FlatBucket]:
+        """The flat buckets, in launch order."""
+
+    def begin_forward(self) -> None:
+        """A new micro-batch."""
+
+    def begin_backward(self, sync: bool) -> None:
+        """A backward starts; ``sync``: its gradients are averaged across ranks."""
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """``param``'s gradient was accumulated by autograd."""
+
+    def end_backward(self, accumulation_steps: int) -> None:
+        """The backward ended."""
+
+    def grads(self, accumulation_steps: int) -> Grads:
+        """Each parameter's averaged gradient (this rank's slice), None where no rank had one."""
+
+    def accumulated(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """This rank's unaveraged gradient of ``param`` so far (None where none is kept)."""
+
+    def zero(self) -> None:
+        """Drops every gradient."""
+
+    def storage(self) -> List[torch.Tensor]:
+        """The tensors it holds (memory accounting)."""
 
 
 class ReduceSettings:
@@ -224,6 +260,7 @@ class FullGrads:
     def __init__(self, params: List[torch.nn.Parameter], buckets: List[FlatBucket],
                  overlap: bool, settings: ReduceSettings, exchange: Exchange):
         self.params, self.overlap, self.settings = params, overlap, settings
+        self.keeps_full = True
         self.queue = _BucketQueue(buckets)
         self.exchange = exchange
         self._sync = False
@@ -356,6 +393,7 @@ class ShardedGrads:
     def __init__(self, params: List[torch.nn.Parameter], buckets: List[FlatBucket],
                  overlap: bool, settings: ReduceSettings, rows: "ScatterRows"):
         self.params, self.overlap, self.settings = params, overlap, settings
+        self.keeps_full = False
         self.queue = _BucketQueue(buckets)  # readiness only: flat=False, no gradient storage
         self.rows = rows
         # One accumulator row per bucket: this rank's gradient slices, then summed flags.
@@ -412,6 +450,10 @@ class ShardedGrads:
             per_bucket += [None if i in unused else self.rows.own(bucket, shard, i)
                            for i in range(len(bucket.params))]
         return self.queue.in_param_order(self.params, per_bucket)
+
+    def accumulated(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """None: each micro-step's gradients are reduce-scattered and freed."""
+        return None
 
     def _send(self, bucket: FlatBucket) -> None:
         flats = [p.grad.view(-1) if used and p.grad is not None else None

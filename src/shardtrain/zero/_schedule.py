@@ -21,6 +21,7 @@ inside backward) finds its parameters in place.
 """
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -29,6 +30,14 @@ from torch.utils import _pytree as pytree
 from .. import comm
 from . import _access
 from ._groups import AVAILABLE, RELEASED, ParamGroup, Units
+
+
+class Window(enum.Enum):
+    """Where the engine's pass is, as the gathers see it (one value, not two flags)."""
+
+    OUTSIDE = "outside"    # no engine forward or backward: an attribute read gathers nothing
+    FORWARD = "forward"    # from the engine's forward to its backward (or its end without grad)
+    BACKWARD = "backward"  # inside backward (forwards re-run by checkpointing included)
 
 
 class GatherSchedule:
@@ -49,8 +58,7 @@ class GatherSchedule:
         self.max_live = int(zero.max_live_parameters)
         self.max_reuse = int(zero.max_reuse_distance)
         self.weights_written = weights_written
-        self.in_backward = False
-        self.in_step = False  # from the engine's forward to the end of its backward
+        self.window = Window.OUTSIDE
         self._trace: List[ParamGroup] = []
         self._module_pos: Dict[int, int] = {}  # where each module's forward began in _trace
         self._plan: List[ParamGroup] = []
@@ -124,8 +132,8 @@ class GatherSchedule:
     # -- forward ------------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
-        self.in_step = True
-        if not self.in_backward:
+        if self.window is not Window.BACKWARD:  # not a forward re-run inside backward
+            self.window = Window.FORWARD
             self._trace = []
             self._plan_ok = bool(self._plan)
             for g in self.units.groups:
@@ -133,9 +141,9 @@ class GatherSchedule:
 
     def end_forward(self, grad_enabled: bool) -> None:
         """Learns the order for the next step's prefetching; frees what no backward needs."""
-        if self.in_backward:
+        if self.window is Window.BACKWARD:
             return
-        self.in_step = grad_enabled
+        self.window = Window.FORWARD if grad_enabled else Window.OUTSIDE
         if self._trace and not (self._plan_ok and len(self._plan) == len(self._trace)):
             self._plan = list(self._trace)  # first step, or the path changed: re-learn
         used = {id(g) for g in self._trace}
@@ -148,12 +156,12 @@ class GatherSchedule:
         groups = self.units.by_module[id(m)]
         for g in groups:
             g.active += 1
-        if not self.in_backward:
+        if self.window is not Window.BACKWARD:
             self._module_pos[id(m)] = len(self._trace)
             if groups:  # ranks must run the same modules in the same order: the trail says so
                 comm.mark("forward", self._names.get(id(m), type(m).__name__), groups[0].group)
         for g in groups:
-            if not self.in_backward:
+            if self.window is not Window.BACKWARD:
                 self._record(g)
             self._fetch(g)
 
@@ -172,7 +180,7 @@ class GatherSchedule:
             g.active -= 1
         if torch.is_grad_enabled():
             self._hook_backward_entry(m, output)
-        if self.in_backward:
+        if self.window is Window.BACKWARD:
             return  # a re-run forward (checkpointing): backward needs these next
         for g in groups:
             if g.active == 0 and not g.hold and not self._reused_soon(g):
@@ -217,7 +225,7 @@ class GatherSchedule:
             return
         for h in self.units.groups:
             if h is not g and h.status == AVAILABLE and h.active == 0 and not h.hold \
-                    and not self.in_backward:
+                    and self.window is not Window.BACKWARD:
                 h.release()
                 if self._live() + g.numel <= self.max_live:
                     return
@@ -240,7 +248,7 @@ class GatherSchedule:
             t.register_hook(gather_for_backward)
 
     def _pre_backward(self, m: torch.nn.Module) -> None:
-        self.in_backward = True
+        self.window = Window.BACKWARD
         for g in self.units.by_module[id(m)]:
             self._fetch(g)
         # Backward runs the forward order in reverse: what this module's forward came after
@@ -251,7 +259,7 @@ class GatherSchedule:
             self._prefetch(list(reversed(self._trace[:pos])))
 
     def begin_backward(self) -> None:
-        self.in_backward = True
+        self.window = Window.BACKWARD
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         g: Optional[ParamGroup] = getattr(param, "ds_group", None)
@@ -262,7 +270,7 @@ class GatherSchedule:
             g.release()  # every use of it in this backward is over
 
     def end_backward(self) -> None:
-        self.in_backward = self.in_step = False
+        self.window = Window.OUTSIDE
         for g in self.units.groups:
             # No forward is running now. A count left over is a forward that never finished:
             # non-reentrant checkpointing stops its re-run early, once it has what it needs.
@@ -275,7 +283,7 @@ class GatherSchedule:
         """Gathers on attribute access, between the engine's forward and the end of its
         backward only: a read there (a custom loss) happens on every rank, while a read
         elsewhere (logging on rank 0, say) may not, and must not start a collective."""
-        if not self.in_step or (g.active > 0 and g.status == AVAILABLE):
+        if self.window is Window.OUTSIDE or (g.active > 0 and g.status == AVAILABLE):
             return
         g.hold = True
         self._fetch(g)

@@ -28,6 +28,7 @@ locally. Every hook a strategy installs is removed by :meth:`Strategy.remove_hoo
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Protocol
 
 import torch
@@ -39,12 +40,31 @@ from ._groups import partition_model
 from ._optview import OptimizerView, ParamSlot, full_slices
 from ._params import is_partitioned
 from ._buckets import FlatBucket, split_into_buckets
-from ._reduce import (AllReduceExchange, FullGrads, ReduceSettings, ScatterExchange, ScatterRows,
-                      ShardedGrads)
+from ._reduce import (AllReduceExchange, FullGrads, GradientHolder, ReduceSettings, ScatterExchange,
+                      ScatterRows, ShardedGrads)
 from ._schedule import GatherSchedule
 from ._shards import full_numel, shard_range
 
-__all__ = ["Strategy", "StrategyProtocol", "ParamSlot", "ReduceSettings", "build_strategy"]
+__all__ = ["Strategy", "StrategyProtocol", "ReducedGrads", "ParamSlot", "ReduceSettings",
+           "build_strategy"]
+
+
+@dataclasses.dataclass
+class ReducedGrads:
+    """The averaged gradients the optimizer takes at a step, with what measuring them needs.
+
+    Attributes:
+        tensors: the gradient of each tensor the optimizer updates on this rank (those of
+            parameters with a gradient), attached to it as ``.grad``.
+        split: for each of ``tensors``: whether it is a tensor-parallel slice (``tp_split``),
+            whose square adds up over the tensor-parallel group in the global norm.
+        unused: the trainable parameters no rank produced a gradient for (the same on every
+            rank: it comes from the reduced used-flags).
+    """
+
+    tensors: List[torch.Tensor]
+    split: List[bool]
+    unused: List[torch.nn.Parameter]
 
 
 class StrategyProtocol(Protocol):
@@ -52,6 +72,7 @@ class StrategyProtocol(Protocol):
 
     stage: int
     supports_no_sync: bool  # stages 2-3 never keep a full gradient between micro-steps
+    params: List[torch.nn.Parameter]  # the trainable parameters, each once
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-points a client optimizer at the tensors this rank updates."""
@@ -68,21 +89,17 @@ class StrategyProtocol(Protocol):
     def end_backward(self, accumulation_steps: int) -> None:
         """The backward announced by :meth:`begin_backward` ended."""
 
-    def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
+    def optimizer_grads(self, accumulation_steps: int) -> ReducedGrads:
         """Finishes the reduction; the optimizer's tensors get their averaged gradients."""
 
     def accumulated_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         """This rank's full gradient of ``param`` summed since the last step, not averaged
         yet (stages 0-1, before the boundary's reduction); None where there is none."""
 
-    def unused_params(self) -> List[torch.nn.Parameter]:
-        """The trainable parameters no rank produced a gradient for this step (after
-        :meth:`optimizer_grads`)."""
-
-    def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def global_norm(self, grads: ReducedGrads, device: torch.device) -> torch.Tensor:
         """The norm of the whole model's gradient, the same on every rank."""
 
-    def all_finite(self, grads: List[torch.Tensor], device: torch.device) -> bool:
+    def all_finite(self, grads: ReducedGrads, device: torch.device) -> bool:
         """Whether the whole model's gradient is finite, the same answer on every rank."""
 
     def after_step(self) -> None:
@@ -112,6 +129,12 @@ class StrategyProtocol(Protocol):
     def release_all(self) -> None:
         """Frees gathered parameters no running forward needs (stage 3)."""
 
+    def stats(self) -> Dict[str, Any]:
+        """What the strategy is doing, for diagnostics (buckets, stage-3 prefetches)."""
+
+    def units(self) -> List[torch.nn.Module]:
+        """The modules around whose forward parameters are gathered (stage 3)."""
+
     def remove_hooks(self) -> None:
         """Removes every hook the strategy installed (``engine.destroy()``)."""
 
@@ -134,11 +157,11 @@ class Strategy:
     """
 
     def __init__(self, stage: int, module: torch.nn.Module, params: List[torch.nn.Parameter],
-                 grads: Any, view: OptimizerView, group: Group,
+                 grads: GradientHolder, view: OptimizerView, group: Group,
                  gatherer: Optional[SliceGatherer] = None,
                  schedule: Optional[GatherSchedule] = None, tp: Optional[Group] = None):
         self.stage = stage
-        self.supports_no_sync = isinstance(grads, FullGrads)
+        self.supports_no_sync = grads.keeps_full
         self._module = module
         self._group, self._tp = group, tp
         self._world = group.size()
@@ -148,7 +171,6 @@ class Strategy:
         self._gatherer = gatherer
         self._schedule = schedule
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._unused: List[torch.nn.Parameter] = []  # no rank's gradient in the last reduction
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -195,24 +217,20 @@ class Strategy:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def optimizer_grads(self, accumulation_steps: int) -> List[torch.Tensor]:
+    def optimizer_grads(self, accumulation_steps: int) -> ReducedGrads:
         per_param = self._grads.grads(accumulation_steps)
-        self._unused = [p for p, g in zip(self.params, per_param) if g is None]
-        return self._view.load_grads(per_param)
-
-    def unused_params(self) -> List[torch.nn.Parameter]:
-        return list(self._unused)
+        unused = [p for p, g in zip(self.params, per_param) if g is None]
+        split = self._view.split_flags(per_param)
+        return ReducedGrads(self._view.load_grads(per_param), split, unused)
 
     def accumulated_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-        if not isinstance(self._grads, FullGrads):
-            return None  # stages 2-3 reduce-scatter every micro-step: no rank keeps it whole
         return self._grads.accumulated(param)
 
-    def global_norm(self, grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
-        return coll.global_norm(grads, device, self._norm_groups(), self._view.split_grads())
+    def global_norm(self, grads: ReducedGrads, device: torch.device) -> torch.Tensor:
+        return coll.global_norm(grads.tensors, device, self._norm_groups(), grads.split)
 
-    def all_finite(self, grads: List[torch.Tensor], device: torch.device) -> bool:
-        return coll.all_finite(grads, device, self._norm_groups())
+    def all_finite(self, grads: ReducedGrads, device: torch.device) -> bool:
+        return coll.all_finite(grads.tensors, device, self._norm_groups())
 
     def _norm_groups(self) -> coll.NormGroups:
         """Where the parts of the whole gradient live: sharded slices over the data-parallel
