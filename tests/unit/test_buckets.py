@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 from typing import List, Sequence
 
 import pytest
 import torch
 
+from shardtrain.layout import place
 from shardtrain.zero._buckets import FlatBucket, local_norm, split_into_buckets
 
 
@@ -65,7 +67,9 @@ def test_dtype_or_device_change_starts_a_bucket(other):
 
 def test_partitioned_parameters_count_their_full_size():
     a, b = params_of([0, 0])
-    a.ds_numel = b.ds_numel = 6  # ZeRO-3: the parameter's own data is released
+    two_ranks = SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    for p in (a, b):  # ZeRO-3: the parameter's own data is released; its layout says 6
+        place(p, local_shape=(6,), zero_group=two_ranks)
     assert split_into_buckets([a, b], 10) == [[b], [a]]
     assert split_into_buckets([a, b], 12) == [[b, a]]
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 from typing import List
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from shardtrain.layout import place
 from shardtrain.zero._shards import ShardLayout, chunk_size, full_numel, shard_range
 
 WORLDS = range(1, 9)
@@ -55,8 +57,9 @@ def test_fewer_elements_than_ranks():
 def test_full_numel_reads_the_partitioned_size():
     p = torch.nn.Parameter(torch.empty(0))
     assert full_numel(p) == 0
-    p.ds_numel = 12  # a ZeRO-3 parameter whose own data was released
-    assert full_numel(p) == 12
+    place(p, local_shape=(3, 4),  # a ZeRO-3 parameter whose own data was released
+          zero_group=SimpleNamespace(size=lambda: 2, rank=lambda: 0))
+    assert full_numel(p) == 12 and p.ds_numel == 12  # DeepSpeed's attribute, from the record
 
 
 def reference_rows(flats: List[torch.Tensor], world: int) -> torch.Tensor:

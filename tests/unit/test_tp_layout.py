@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardtrain.layout import place
 from shardtrain.parallel import SplitSpec, is_tp_split
 
 
@@ -56,5 +57,5 @@ def test_split_specs_are_frozen_values():
     assert hash(SplitSpec(1, (3,))) == hash(SplitSpec(1, (3,)))
     p = torch.nn.Parameter(torch.zeros(2))
     assert not is_tp_split(p)
-    p.tp_split = SplitSpec(0, (4,))
-    assert is_tp_split(p)
+    place(p, local_shape=(2,), tp=SplitSpec(0, (4,)))
+    assert is_tp_split(p) and p.tp_split == SplitSpec(0, (4,))  # the attribute, from the record

@@ -3,8 +3,9 @@ parallelism, composed with ZeRO's data parallelism by the engine.
 
 Tensor parallelism: :func:`apply_autotp` splits a model in place by DeepSpeed's
 ``tensor_parallel`` rules, with the layers of :mod:`.tensor`; every split parameter is a
-plain ``nn.Parameter`` holding this rank's slice and carries ``tp_split``, a
-:class:`SplitSpec` (:func:`is_tp_split` tells). The autograd functions that move
+plain ``nn.Parameter`` holding this rank's slice, whose layout record
+(:func:`shardtrain.layout.layout_of`) holds its :class:`SplitSpec` (:func:`is_tp_split`
+tells). The autograd functions that move
 activations in and out of the tensor-parallel group are exported for hand-written layers.
 
 Sequence parallelism: :func:`enable_ulysses` routes a Hugging Face model's attention
@@ -16,7 +17,7 @@ The engine does both from its config (``tensor_parallel``, ``sequence_parallel_s
 ``engine.mpu`` (:class:`MeshMPU`) exposes the mesh's groups under DeepSpeed's names.
 """
 from ._assemble import Parallelism, build_mesh, parallelize
-from ._layout import SplitSpec, is_tp_split
+from ..layout import SplitSpec, is_tp_split
 from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from .autotp import TPEntry, TPPlan, apply_autotp, autotp_splits
 from .mpu import MeshMPU, mesh_from_mpu

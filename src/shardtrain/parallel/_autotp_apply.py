@@ -15,7 +15,7 @@ from torch import nn
 from .. import comm
 from ._autotp_match import Actions, LinearSplit, Registered
 from ._tp_autograd import copy_to_group, reduce_from_group
-from ._layout import SplitSpec
+from ..layout import SplitSpec, layout_of
 from .tensor import ColumnParallelLinear, RowParallelLinear, SharedInput, VocabParallelEmbedding, _shard_of
 
 
@@ -76,7 +76,7 @@ def _split_linear(root: nn.Module, group: comm.Group, split: LinearSplit,
 
 def _tie_embedding(root: nn.Module, group: comm.Group, at: Registered,
                    weight: nn.Parameter) -> None:
-    embedding = VocabParallelEmbedding(weight, group, weight.tp_split, at.module.padding_idx)
+    embedding = VocabParallelEmbedding(weight, group, layout_of(weight).tp, at.module.padding_idx)
     _replace(root, at.module_name, embedding)
 
 

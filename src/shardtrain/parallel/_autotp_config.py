@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from ._layout import SplitSpec
+from ..layout import SplitSpec
 
 _BLOCK = "tensor_parallel"
 _PARTITION = f"{_BLOCK}.partition_config"

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from ._autotp_config import AutoTPConfig, LayerSpec
-from ._layout import SplitSpec
+from ..layout import SplitSpec, layout_of
 from .tensor import _check_embedding_options
 
 #: Integer head counts divided by the group size on an attention block whose projections
@@ -101,12 +101,11 @@ def _is_linear_bias(r: Registered) -> bool:
 def refuse_resplit(root: nn.Module) -> None:
     """AutoTP needs every weight whole on every rank: not yet split, not partitioned by
     ZeRO-3 (``zero.Init``)."""
-    done = [name for name, p in root.named_parameters() if hasattr(p, "tp_split")]
+    done = [name for name, p in root.named_parameters() if layout_of(p).tp is not None]
     if done:
         raise ValueError(f"the model is already tensor-parallel ({done[0]} is a shard): apply "
                          "AutoTP once, to the full model.")
-    sharded = [name for name, p in root.named_parameters()
-               if getattr(p, "ds_tensor", None) is not None]
+    sharded = [name for name, p in root.named_parameters() if layout_of(p).partitioned]
     if sharded:
         raise ValueError(
             f"{sharded[0]} is partitioned by ZeRO-3 (the model was built under "

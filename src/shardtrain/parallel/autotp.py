@@ -8,9 +8,10 @@ whole model against them, and only then replaces the matched ``nn.Linear`` layer
 match full parameter names (``model.layers.0.self_attn.q_proj.weight``) with ``re.match``;
 a Linear's bias follows its weight.
 
-The attribute contract, relied on by ZeRO, checkpoints and the gradient norm: a split
-parameter is a plain ``nn.Parameter`` holding this rank's slice, with ``param.tp_split``
-(a :class:`~shardtrain.parallel.SplitSpec`); a replicated parameter has no ``tp_split``.
+The contract, relied on by ZeRO, checkpoints and the gradient norm: a split parameter is a
+plain ``nn.Parameter`` holding this rank's slice, whose layout
+(:func:`shardtrain.layout.layout_of`) has ``tp``, a :class:`~shardtrain.parallel.SplitSpec`
+(also written as ``param.tp_split``); a replicated parameter's ``tp`` is None.
 
 Embeddings and the LM head (``lm_head_patterns``) stay replicated unless a rule splits
 the head; a split head is column-parallel over the vocabulary, an input embedding tied to
@@ -37,7 +38,7 @@ from ._autotp_apply import execute
 from ._autotp_config import AutoTPConfig, LayerSpec, parse_block
 from ._autotp_match import Actions, plan, refuse_resplit
 from ._cross_entropy import causal_lm_loss
-from ._layout import SplitSpec, is_tp_split
+from ..layout import SplitSpec, is_tp_split, layout_of
 from ._presets import PRESETS, preset_specs
 
 __all__ = ["apply_autotp", "autotp_splits", "TPPlan", "TPEntry"]
@@ -130,7 +131,7 @@ def apply_autotp(module: nn.Module, group: comm.Group, block: Dict[str, Any]) ->
         >>> mesh = comm.init_mesh(tp=2)
         >>> model = LlamaForCausalLM(config)         # model_type "llama": the llama preset
         >>> plan = apply_autotp(model, mesh.tp, {"autotp_size": 2})
-        >>> model.model.layers[0].self_attn.q_proj.weight.tp_split
+        >>> layout_of(model.model.layers[0].self_attn.q_proj.weight).tp
         SplitSpec(dim=0, parts=(64,))
     """
     config = parse_block(block, tuple(PRESETS))
@@ -234,8 +235,6 @@ def _entries(module: nn.Module, kinds: Dict[int, str],
         if not is_tp_split(p):
             out.append(TPEntry(name, "skip" if name in skipped else "replicated", tuple(p.shape)))
             continue
-        spec = p.tp_split
-        shape = list(p.shape)
-        shape[spec.dim] = spec.full_size
-        out.append(TPEntry(name, kinds.get(id(p), "column"), tuple(shape), spec))
+        layout = layout_of(p)
+        out.append(TPEntry(name, kinds.get(id(p), "column"), layout.full_shape, layout.tp))
     return tuple(out)

@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import comm
 from ._cross_entropy import vocab_parallel_cross_entropy
-from ._layout import SplitSpec
+from ..layout import SplitSpec, place
 from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SharedInput", "VocabParallelEmbedding",
@@ -42,10 +42,10 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SharedInput", "VocabPar
 
 
 def _as_shard(tensor: torch.Tensor, spec: SplitSpec, group: comm.Group) -> nn.Parameter:
-    """``tensor`` (already this rank's shard) as a parameter marked with ``spec`` and the
-    ``tp_group`` its slices are spread over (full weights and checkpoints join them)."""
+    """``tensor`` (already this rank's shard) as a parameter whose layout records ``spec`` and
+    the group its slices are spread over (full weights and checkpoints join them)."""
     param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor)
-    param.tp_split, param.tp_group = spec, group
+    place(param, local_shape=tuple(param.shape), tp=spec, tp_group=group)
     return param
 
 

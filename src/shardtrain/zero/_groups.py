@@ -24,6 +24,7 @@ from . import leaf
 from ._params import (ZeroParamStatus, adopt, is_partitioned, mark_available, materialize,
                       partition, release)
 from ._shards import ShardLayout, full_numel
+from ..layout import place
 
 RELEASED, INFLIGHT, AVAILABLE = "released", "inflight", "available"
 #: The attribute an error raised while gathering a group carries: the group's module name.
@@ -60,6 +61,7 @@ class ParamGroup:
             region.copy_(p.ds_tensor)
             p.ds_tensor = region  # the shard now lives in the group's flat buffer
             p.ds_group = self
+            place(p, unit=name)
         self.numel = sum(p.ds_numel for p in params)
         self.trainable = {id(p) for p in params if p.requires_grad}
         self.status = RELEASED
@@ -175,8 +177,7 @@ def _partition_params(module: torch.nn.Module, group: Group, zero: Any) -> None:
         small = full_numel(p) <= int(zero.param_persistence_threshold)
         if small and not is_partitioned(p) and full_numel(p) <= budget:
             budget -= full_numel(p)
-            p.ds_persist, p.ds_shape, p.ds_numel = True, p.shape, p.numel()
-            p.ds_process_group = group
+            place(p, local_shape=tuple(p.shape), zero_group=group, persistent=True)
             continue
         if is_partitioned(p):
             adopt(p, group)  # built under zero.Init, before the engine moved it

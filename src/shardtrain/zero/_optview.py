@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import accelerator
+from ..layout import layout_of
 
 Slice = Tuple[int, int]  # [lo, hi) of the parameter's flattened elements
 
@@ -95,7 +96,7 @@ class OptimizerView:
 
     def slots(self, sharded: bool) -> List[ParamSlot]:
         """One :class:`ParamSlot` per parameter, in ``params`` order."""
-        return [ParamSlot(p, lo, hi, int(getattr(p, "ds_numel", p.numel())), t, sharded,
+        return [ParamSlot(p, lo, hi, layout_of(p).local_numel, t, sharded,
                           t is not None and not _shares(t, src))
                 for p, (lo, hi), t, src in zip(self.params, self.slices, self.tensors,
                                                 self.sources)]
@@ -173,7 +174,7 @@ class OptimizerView:
 def _is_tensor_parallel_slice(p: torch.nn.Parameter) -> bool:
     """A parameter each tensor-parallel rank holds a different slice of: split by AutoTP
     (``tp_split``) or marked by Megatron-style layers."""
-    return getattr(p, "tp_split", None) is not None or \
+    return layout_of(p).tp is not None or \
         bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
 
 

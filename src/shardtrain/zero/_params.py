@@ -1,9 +1,11 @@
 """ZeRO-3 parameters: each rank keeps only its shard; the full tensor exists on demand.
 
 A partitioned parameter keeps its Python identity (optimizers, hooks and tied modules
-still point at it) and gains DeepSpeed's attributes:
+still point at it). Its layout record (:func:`shardtrain.layout.layout_of`: the full shape,
+the group it is sharded over, this rank's shard) is what other rooms read; it also gains
+DeepSpeed's attributes, for the libraries that read them:
 
-* ``ds_shape``, ``ds_numel``: the full shape and element count;
+* ``ds_shape``, ``ds_numel``: the full shape and element count (written from the record);
 * ``ds_tensor``: this rank's shard (``chunk_size`` elements, zero-padded), 1-D;
 * ``ds_status``: ``ZeroParamStatus.AVAILABLE`` while gathered, else ``NOT_AVAILABLE``;
 * ``ds_id``: a creation-order number, the same on every rank;
@@ -28,7 +30,7 @@ import torch
 from .. import comm
 from ..comm import Group
 from . import _collectives as coll
-from ._shards import chunk_size, shard_range
+from ..layout import chunk_size, place, shard_range
 
 _ids = itertools.count()
 
@@ -61,7 +63,7 @@ def partition(p: torch.nn.Parameter, group: Group, src: Optional[int] = 0) -> No
     world, rank = group.size(), group.rank()
     full = p.data
     numel, c = full.numel(), chunk_size(full.numel(), world)
-    p.ds_shape, p.ds_numel = full.shape, numel
+    place(p, local_shape=tuple(full.shape), zero_group=group, persistent=False)
     _give_full_storage(p, world, full.dtype, full.device)
     shard = torch.zeros(c, dtype=full.dtype, device=full.device)
     if src is None:
@@ -73,10 +75,8 @@ def partition(p: torch.nn.Parameter, group: Group, src: Optional[int] = 0) -> No
             p.ds_padded[numel:].zero_()
         coll.scatter_rows(p.ds_padded.view(world, c), shard, src, group).wait()
     p.ds_tensor = shard
-    p.ds_process_group = group
     if getattr(p, "ds_id", None) is None:
         p.ds_id = next(_ids)
-    p.ds_persist = False
     release(p)
 
 

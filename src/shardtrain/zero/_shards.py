@@ -1,9 +1,6 @@
-"""Even per-parameter sharding and the rank-major layout collectives need.
-
-Each parameter of ``n`` elements is cut into ``world`` chunks of ``c = ceil(n / world)``
-elements (the last ones shorter or empty); rank ``r`` owns elements ``[r*c, min((r+1)*c, n))``
-of the flattened parameter. A shard is therefore always a contiguous slice of one
-parameter, which keeps clipping, checkpoints and any elementwise optimizer simple.
+"""The rank-major layout collectives need, over the even shards of
+:func:`shardtrain.layout.shard_range` (each parameter cut into ``world`` chunks of
+``ceil(n / world)`` elements, rank ``r`` owning chunk ``r``).
 
 Collectives move several parameters at once in a ``[world, row]`` buffer: row ``r`` holds
 rank ``r``'s chunk of every parameter of the group (zero-padded to ``c``) side by side, so
@@ -11,25 +8,19 @@ a reduce-scatter hands each rank exactly its row, and an all-gather returns all 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
+from ..layout import chunk_size, layout_of, shard_range
+
+__all__ = ["full_numel", "chunk_size", "shard_range", "ShardLayout"]
+
 
 def full_numel(p: torch.Tensor) -> int:
-    """Elements of the full parameter (a ZeRO-3 parameter's own data may be empty)."""
-    return getattr(p, "ds_numel", None) or p.numel()
-
-
-def chunk_size(numel: int, world: int) -> int:
-    return max(1, -(-numel // world))
-
-
-def shard_range(numel: int, world: int, rank: int) -> Tuple[int, int]:
-    """This rank's ``[lo, hi)`` of a flattened parameter (empty when it holds nothing)."""
-    c = chunk_size(numel, world)
-    lo = min(rank * c, numel)
-    return lo, min(lo + c, numel)
+    """Elements of this rank's (tensor-parallel) parameter, whole (a ZeRO-3 parameter's own
+    data may be empty)."""
+    return layout_of(p).local_numel
 
 
 class ShardLayout:

@@ -1,9 +1,10 @@
 """How a full tensor is cut into tensor-parallel shards, and put back together.
 
 A :class:`SplitSpec` is pure data: the dimension a parameter is split along and the sizes
-of the sub-parameters fused along it. Every sharded parameter carries one as ``tp_split``,
-so that code that never saw the model's layers (checkpoints, the gradient norm, the memory
-estimator) can tell a shard from a replica and rebuild the full value.
+of the sub-parameters fused along it. Every sharded parameter's layout record holds one
+(:attr:`ParamLayout.tp`), so that code that never saw the model's layers (checkpoints, the
+gradient norm, the memory estimator) can tell a shard from a replica and rebuild the full
+value.
 
 Fused sub-parameters are split one by one: a ``gate_up_proj`` of ``[gate; up]`` gives each
 rank ``[gate piece r; up piece r]``, so the rank's local ``chunk(2)`` still separates gate
@@ -16,7 +17,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-__all__ = ["SplitSpec", "is_tp_split"]
+__all__ = ["SplitSpec"]
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,3 @@ class SplitSpec:
             raise ValueError(f"SplitSpec: a tensor of shape {shape} does not have size "
                              f"{self.full_size} (parts {self.parts}) along dim {self.dim}.")
 
-
-def is_tp_split(param: torch.Tensor) -> bool:
-    """Whether ``param`` holds one rank's tensor-parallel shard (it carries ``tp_split``).
-
-    Example:
-        >>> [name for name, p in model.named_parameters() if is_tp_split(p)]
-    """
-    return isinstance(getattr(param, "tp_split", None), SplitSpec)
