@@ -46,14 +46,21 @@ def test_only_comm_talks_to_torch_distributed():
                  and not name.startswith("comm/")]
     assert offenders == ["deepspeed/comm/comm.py"], offenders
     assert {name for name, _ in modules() if name.startswith("comm/")} == {
-        "comm/__init__.py", "comm/_process.py", "comm/_groups.py", "comm/_diagnose.py",
-        "comm/_ops.py"}
+        "comm/__init__.py", *(f"comm/{m}.py" for m in COMM_ORDER)}
+
+
+#: comm/'s modules, each importing only those before it: the trail's records and the roll
+#: call (no torch.distributed), the process group, groups and their timeouts, then what goes
+#: around every collective (SIGTERM's hold, this rank's trail, timing, the failure report, the
+#: divergence check), and the collectives last.
+COMM_ORDER = ["_trail", "_roll_call", "_process", "_groups", "_bounds", "_sigterm", "_tracing",
+              "_timing", "_report", "_divergence", "_ops"]
 
 
 def test_comm_imports_go_one_way():
-    """``_process`` <- ``_groups`` <- ``_diagnose`` <- ``_ops`` (each imports only those
-    before it, type hints aside), and ``__init__`` gathers them."""
-    order = ["_process", "_groups", "_diagnose", "_ops"]
+    """Each of comm/'s modules imports only those before it in :data:`COMM_ORDER` (type hints
+    aside), and ``__init__`` gathers them."""
+    order = COMM_ORDER
     for name, tree in modules():
         if not name.startswith("comm/_") or name == "comm/__init__.py":
             continue
