@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Iterator, Optional
 import torch
 
 from . import accelerator
-from ._fileio import atomic_path
+from .files import write_weights  # its old path: it lives in shardtrain.files
 
 __all__ = ["count_bytes", "zero_formula_bytes", "BytesPerParam", "bytes_per_param",
            "estimate_model_states", "write_weights", "peak_memory"]
@@ -152,26 +152,3 @@ class _Sampler:
         self._done.set()
         self._thread.join()
         return max(self.top, _anonymous() or 0)
-
-
-def write_weights(state: Dict[str, torch.Tensor], path: str) -> None:
-    """Writes a flat state dict atomically: safetensors for ``*.safetensors``, else
-    ``torch.save``. A temporary file is renamed into place, so a crash leaves no half file."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    with atomic_path(path) as tmp:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import save_file
-            save_file(_untie(tensors), tmp)
-        else:
-            torch.save(tensors, tmp)
-
-
-def _untie(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied weights): give each its own."""
-    seen = set()
-    out = {}
-    for k, v in tensors.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset())
-        out[k] = v.clone() if key in seen else v
-        seen.add(key)
-    return out

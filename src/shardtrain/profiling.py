@@ -25,7 +25,7 @@ from .autotune import (MEMORY_BUDGET_ENV, AutotuneResult, OutOfMemoryError, Stag
                        TuningProbe, autotune, format_trials, model_info_record, parse_size,
                        stage_fits)
 from .autotune import memory_budget_from_env as memory_budget_from_env
-from .autotune._json import write_json as write_json
+from .files import write_json as write_json
 from .telemetry import PEAK_TFLOPS_ENV as PEAK_TFLOPS_ENV
 from .telemetry import (ActivationMemory, FlopsProfile, FlopsProfiler, ModuleCost, SavedTensorMeter,
                         Timers, measure_activation_memory, peak_flops)
