@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .. import accelerator
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ._configs import base_config, tuned_config
 from ..files import write_json
 from ._runner import Runner
