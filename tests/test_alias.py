@@ -20,7 +20,7 @@ import torch
 
 import shardtrain
 import shardtrain.deepspeed as tree
-from shardtrain.deepspeed import _distribution as dist
+from shardtrain.cli import _distribution as dist
 from shardtrain.deepspeed.launcher import runner
 
 import _clients as cl
