@@ -28,7 +28,10 @@ module owns its command's options, examples and work, and registers itself with
   argument types that name a bad value, and number formatting.
 
 ``autotune`` and ``plot`` take their arguments unparsed and parse them in
-:func:`autotune_main` and :func:`plot_main`, which Python code may call too. This package is
+:func:`autotune_main` and :func:`plot_main`, which Python code may call too, as it may their
+parsers (:func:`build_autotune_parser`, :func:`build_plot_parser`) and registrations into
+another command's subparsers (:func:`add_autotune_parser`, :func:`add_plot_parser`), which
+the old modules :mod:`shardtrain.profiling` and :mod:`shardtrain.monitor` offer too. This package is
 the only one that builds a parser for a shardtrain command, and the packages it launches
 never import it; the alias tree (:mod:`shardtrain.deepspeed`) does, for its ``deepspeed`` and
 ``ds_report`` commands and its version, and this package never imports the alias tree.
@@ -52,12 +55,16 @@ import torch
 from .. import __version__
 from . import (_alias, _autotune, _consolidate, _doctor, _estimate, _import_deepspeed,
                _info, _plot, _run, _trails)
-from ._autotune import autotune_main
+from ._autotune import add_parser as add_autotune_parser
+from ._autotune import autotune_main, build_autotune_parser
 from ._common import _Failure, _UsageError
 from ._distribution import DEEPSPEED_VERSION, alias_version
-from ._plot import plot_main
+from ._plot import add_parser as add_plot_parser
+from ._plot import build_plot_parser, plot_main
 
-__all__ = ["main", "build_parser", "autotune_main", "plot_main", "DEEPSPEED_VERSION", "alias_version"]
+__all__ = ["main", "build_parser", "autotune_main", "plot_main", "build_autotune_parser",
+           "build_plot_parser", "add_autotune_parser", "add_plot_parser", "DEEPSPEED_VERSION",
+           "alias_version"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
