@@ -60,7 +60,7 @@ def _switch(comm, variant: str) -> None:
 
 def _record_cost_us(n: int = 20000) -> float:
     """One record written alone, as the trail writes it (microseconds)."""
-    from shardtrain._trail import Trail
+    from shardtrain.comm._trail import Trail
     trail = Trail(1024)
     start = time.perf_counter()
     for i in range(n):

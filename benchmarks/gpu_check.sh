@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # The deepspeed alias (for the Lightning test), built here and installed beside the wheels.
-python3 -c "from shardtrain.deepspeed._distribution import build_wheel; print(build_wheel('/tmp'))" \
+python3 -c "from shardtrain.cli._distribution import build_wheel; print(build_wheel('/tmp'))" \
   | xargs python3 -m pip install -q --no-index --no-deps --target /tmp/site \
   && export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -20,7 +20,7 @@ import torch
 
 import shardtrain
 import shardtrain.deepspeed as tree
-from shardtrain.deepspeed import _distribution as dist
+from shardtrain.cli import _distribution as dist
 from shardtrain.deepspeed.launcher import runner
 
 import _clients as cl
@@ -163,7 +163,7 @@ def test_constants_by_deepspeeds_paths():
     from deepspeed.runtime.config import ADAM_OPTIMIZER, GRADIENT_CLIPPING
     from deepspeed.runtime.lr_schedules import WARMUP_MIN_LR
     from deepspeed.runtime.zero.config import ZeroStageEnum
-    from shardtrain.checkpoint import _deepspeed_keys
+    from shardtrain.checkpoint import deepspeed_keys as _deepspeed_keys
     assert (ADAM_OPTIMIZER, GRADIENT_CLIPPING, WARMUP_MIN_LR) == ("adam", "gradient_clipping", "warmup_min_lr")
     assert OPTIMIZER_STATE_DICT is _deepspeed_keys.OPTIMIZER_STATE_DICT  # the importer's own key
     assert ZeroStageEnum.weights == 3

@@ -12,7 +12,7 @@ import torch
 
 import cases_oom as co
 from _dist import result, run_ranks
-from shardtrain._sizes import format_bytes
+from shardtrain.memory import format_bytes
 from shardtrain.memory import zero_formula_bytes
 
 WORLD = 2

@@ -33,8 +33,8 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from . import accelerator, comm
-from .rng import RNGStatesTracker, get_rng_tracker
-from .rng import model_parallel_manual_seed as _model_parallel_manual_seed
+from .parallel.rng import RNGStatesTracker, get_rng_tracker
+from .parallel.rng import model_parallel_manual_seed as _model_parallel_manual_seed
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "get_rng_tracker",
            "model_parallel_manual_seed", "RNGStatesTracker", "release_mpu"]
@@ -114,7 +114,7 @@ def is_configured() -> bool:
 
 
 def model_parallel_manual_seed(seed: int) -> None:
-    """:func:`shardtrain.rng.model_parallel_manual_seed` with the model-parallel rank of the
+    """:func:`shardtrain.parallel.rng.model_parallel_manual_seed` with the model-parallel rank of the
     ``mpu_`` given to :func:`configure` (0 without one): DeepSpeed's
     ``model_parallel_cuda_manual_seed``."""
     mpu = _settings.mpu

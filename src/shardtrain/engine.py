@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from . import accelerator, activation_checkpointing as checkpointing, comm
 from . import _python_gc as python_gc
 from . import checkpoint as _ckpt
-from ._bounds import CollectiveBounds
+from .comm import CollectiveBounds
 from ._engine_compat import DeepSpeedEngineAPI
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset

@@ -29,9 +29,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 import torch
 
 from . import comm
-from ._fileio import atomic_path, fsync_dir
-from ._safetensors import Layout, header_bytes, tensor_bytes
-from .memory import write_weights
+from .files import Layout, atomic_path, fsync_dir, header_bytes, tensor_bytes, write_weights
 from .zero._params import GatheredParameters, is_partitioned
 
 __all__ = ["iter_full_weights", "save_full_weights", "full_state_dict"]

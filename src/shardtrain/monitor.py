@@ -5,8 +5,9 @@ bar, monitors, the engine's step watch, reading metrics, plots) and the ``shardt
 command in :mod:`shardtrain.cli`. This module re-exports them under their old names; new code
 imports from :mod:`shardtrain.telemetry`.
 
-The command's functions (:func:`plot_main`, ``build_plot_parser``, ``add_plot_parser``) are
-loaded on first use, because the engine imports this module and must not load the command line.
+The command's functions (:func:`plot_main`, ``build_plot_parser``, ``add_plot_parser``:
+:mod:`shardtrain.cli`'s) are loaded on first use, so that importing this module does not load
+the command line.
 
 Example:
     >>> from shardtrain.monitor import Progress, plot_run   # as before
@@ -23,13 +24,11 @@ __all__ = ["Progress", "StepWatch", "build_watch", "JSONLinesMonitor", "CSVMonit
            "TensorBoardMonitor", "read_metrics", "plot_run",
            "plot_main", "add_plot_parser"]  # noqa: F822 (the command's functions load on first use)
 
-#: Old name -> its name in :mod:`shardtrain.cli._plot`.
-_COMMAND_NAMES = {"plot_main": "plot_main", "build_plot_parser": "build_plot_parser",
-                  "add_plot_parser": "add_parser"}
+_COMMAND_NAMES = ("plot_main", "build_plot_parser", "add_plot_parser")  # shardtrain.cli's
 
 
 def __getattr__(name: str) -> Any:
     if name in _COMMAND_NAMES:
-        from .cli import _plot
-        return getattr(_plot, _COMMAND_NAMES[name])
+        from . import cli
+        return getattr(cli, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,8 +7,8 @@ the ``shardtrain autotune`` command in :mod:`shardtrain.cli`. This module re-exp
 their old names; new code imports from the packages.
 
 The command's functions (:func:`autotune_main`, ``build_autotune_parser``,
-``add_autotune_parser``) are loaded on first use, so that importing this module does not load
-the command line.
+``add_autotune_parser``: :mod:`shardtrain.cli`'s) are loaded on first use, so that importing
+this module does not load the command line.
 
 Example:
     >>> from shardtrain.profiling import measure_activation_memory, peak_flops  # as before
@@ -25,7 +25,7 @@ from .autotune import (MEMORY_BUDGET_ENV, AutotuneResult, OutOfMemoryError, Stag
                        TuningProbe, autotune, format_trials, model_info_record, parse_size,
                        stage_fits)
 from .autotune import memory_budget_from_env as memory_budget_from_env
-from .autotune._json import write_json as write_json
+from .files import write_json as write_json
 from .telemetry import PEAK_TFLOPS_ENV as PEAK_TFLOPS_ENV
 from .telemetry import (ActivationMemory, FlopsProfile, FlopsProfiler, ModuleCost, SavedTensorMeter,
                         Timers, measure_activation_memory, peak_flops)
@@ -38,13 +38,11 @@ __all__ = [
     "add_autotune_parser",  # noqa: F822 (the command's functions are loaded on first use)
 ]
 
-#: Old name -> its name in :mod:`shardtrain.cli._autotune`.
-_COMMAND_NAMES = {"autotune_main": "autotune_main", "build_autotune_parser": "build_autotune_parser",
-                  "add_autotune_parser": "add_parser"}
+_COMMAND_NAMES = ("autotune_main", "build_autotune_parser", "add_autotune_parser")  # shardtrain.cli's
 
 
 def __getattr__(name: str) -> Any:
     if name in _COMMAND_NAMES:
-        from .cli import _autotune
-        return getattr(_autotune, _COMMAND_NAMES[name])
+        from . import cli
+        return getattr(cli, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shardtrain._crc32 import crc32_combine
+from shardtrain.files import crc32_combine
 from shardtrain.checkpoint._agreement import Problem
 from shardtrain.checkpoint._integrity import HEADER_CRC32, header_crc32s
 from shardtrain.checkpoint._safetensors_writer import write_safetensors

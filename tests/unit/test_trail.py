@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from shardtrain import _trail
-from shardtrain._failure import process_gone
-from shardtrain._trail import Trail, first_difference
+from shardtrain.comm import _trail
+from shardtrain.comm._roll_call import process_gone
+from shardtrain.comm._trail import Trail, first_difference
 
 
 def _trail_of(calls, slots=16, path=None):

@@ -17,9 +17,10 @@ The search runs outside the training job and the probe inside it; they talk thro
 * :mod:`~.trials`: :class:`Trial`, :class:`AutotuneResult` and their table
   (:func:`format_trials`, ``trials.csv``).
 
-The runner that starts each run, the configs it writes and the atomic JSON files live in
-private modules. The command line (``shardtrain autotune``) is in :mod:`shardtrain.cli`; this
-package never imports it, nor the engine.
+The runner that starts each run and the configs it writes live in private modules; the JSON
+files are written atomically by :func:`shardtrain.files.write_json`. The command line
+(``shardtrain autotune``) is in :mod:`shardtrain.cli`; this package never imports it, nor
+the engine.
 
 Example:
     >>> from shardtrain.autotune import autotune, format_trials, parse_size

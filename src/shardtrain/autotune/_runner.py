@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._json import write_json
+from ..files import write_json
 
 
 class Runner:

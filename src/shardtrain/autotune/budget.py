@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .._sizes import parse_size
+from ..memory import parse_size
 
 __all__ = ["MEMORY_BUDGET_ENV", "OutOfMemoryError", "memory_budget_from_env", "parse_size"]
 

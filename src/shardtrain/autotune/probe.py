@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import accelerator, comm
 from ..log import log_dist
-from ._json import write_json
+from ..files import write_json
 from .budget import MEMORY_BUDGET_ENV, OutOfMemoryError, memory_budget_from_env
 from ..state import EngineFace
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .. import accelerator
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ._configs import base_config, tuned_config
-from ._json import write_json
+from ..files import write_json
 from ._runner import Runner
 from .budget import MEMORY_BUDGET_ENV
 from .fits import StageFit, stage_fits

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from .fits import StageFit
 
 __all__ = ["Trial", "AutotuneResult", "format_trials", "write_table"]

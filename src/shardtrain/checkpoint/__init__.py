@@ -47,7 +47,9 @@ How the modules divide the work:
   with stand-ins for DeepSpeed's types), ``_deepspeed_layout`` (flat partitions),
   ``_deepspeed_state`` (what one holds), ``_deepspeed_stage0`` (naming stage 0's optimizer
   indices), ``_deepspeed_reader`` (every layout); ``_import``: that state written as a
-  shardtrain checkpoint by :func:`save_checkpoint`.
+  shardtrain checkpoint by :func:`save_checkpoint`; :mod:`.deepspeed_keys`: the keys read,
+  by DeepSpeed's names (public: the alias's ``deepspeed.checkpoint.constants`` re-exports
+  them).
 * ``_export_plan`` and ``_export``: the Hugging Face layout (shards, index, config.json),
   planned from meta.json, then streamed tensor by tensor with bounded memory.
 

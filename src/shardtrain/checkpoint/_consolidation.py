@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .._fileio import atomic_path
+from ..files import atomic_path
 from ._agreement import as_plain_errors, corrupted
 from ._format import META
 from ._reading import Reader, entry_for, module_key, read_meta, tag_dir_of

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles, load_pickle, locate
-from ._deepspeed_keys import (BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, FP32_FLAT_GROUPS,
+from .deepspeed_keys import (BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, FP32_FLAT_GROUPS,
                               FP32_WEIGHT_KEY, FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES, LOSS_SCALER,
                               OPTIMIZER_STATE_DICT, PARAM, PARAM_ALIGNMENT_PADDINGS, PARAM_GROUPS,
                               PARAM_SHAPES, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles
-from ._deepspeed_keys import FP32_GROUPS, OPTIMIZER_STATE_DICT
+from .deepspeed_keys import FP32_GROUPS, OPTIMIZER_STATE_DICT
 from ._deepspeed_state import (DeepSpeedState, TrainedParam, base_state, hyperparameters,
                                per_element, scaler_state, whole_frozen)
 

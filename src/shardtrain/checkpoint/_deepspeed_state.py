@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles, LossScalerState
-from ._deepspeed_keys import (BUFFER_NAMES, CHECKPOINT_PARALLEL_DIMS, DS_VERSION, FROZEN_PARAM_FRAGMENTS,
+from .deepspeed_keys import (BUFFER_NAMES, CHECKPOINT_PARALLEL_DIMS, DS_VERSION, FROZEN_PARAM_FRAGMENTS,
                               FROZEN_PARAM_SHAPES, PARAM_SHAPES, UNIVERSAL_CHECKPOINT_INFO)
 
 __all__ = ["DS_KEYS", "Load", "TrainedParam", "DeepSpeedState", "base_state", "whole_frozen",

@@ -29,12 +29,11 @@ from typing import Any, BinaryIO, Dict, List, Optional, Union
 
 import torch
 
-from .._fileio import atomic_path, write_synced
+from ..files import atomic_path, header_bytes, tensor_bytes, write_synced
 from ..log import logger
 from ._agreement import as_plain_errors, corrupted
 from ._consolidation import DTYPES, check_dtype
 from ._export_plan import CONFIG, INDEX, Plan, Planned, plan_export, shard_size_bytes
-from .._safetensors import header_bytes, tensor_bytes
 from ._format import META
 from ._reading import Reader, read_meta, tag_dir_of
 

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .._sizes import parse_size
+from ..memory import parse_size
 from ._format import dtype_from, dtype_name
 from ._reading import entry_for, module_key
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 import torch
 
-from .._safetensors import ST_DTYPES, ST_NAMES, tensor_bytes
+from ..files import ST_DTYPES, ST_NAMES, tensor_bytes
 from ._agreement import Problem
 
 __all__ = ["FORMAT_VERSION", "FORMAT", "META", "LATEST", "TMP", "REPLACED", "Piece",

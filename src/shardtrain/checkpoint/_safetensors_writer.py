@@ -16,8 +16,8 @@ header comes first in the file but these are known only once the data has gone b
 written as fixed-width hex, so the header goes in first with placeholders, the data after it
 (each tensor's CRC32 computed right after its bytes are written, while they are still in the
 CPU's caches, as before), and the checksums last, over their placeholders. The file's CRC32
-is that of the header continued by the data's, one :func:`shardtrain._crc32.crc32_combine`.
-The header itself is :func:`shardtrain._safetensors.header_bytes`, which the export's shard
+is that of the header continued by the data's, one :func:`shardtrain.files.crc32_combine`.
+The header itself is :func:`shardtrain.files.header_bytes`, which the export's shard
 writer and the full-weights writer share.
 """
 from __future__ import annotations
@@ -28,9 +28,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .._crc32 import crc32_combine
-from .._fileio import synced_file, write_synced
-from .._safetensors import Layout, header_bytes, tensor_bytes
+from ..files import Layout, crc32_combine, header_bytes, synced_file, tensor_bytes, write_synced
 
 __all__ = ["write_safetensors"]
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import comm
 from ..state import TrainingParts
-from .._fileio import atomic_path, fsync_dir, write_synced
+from ..files import atomic_path, fsync_dir, write_synced
 from ..errors import CheckpointTagError
 from ..log import logger
 from . import _background as background

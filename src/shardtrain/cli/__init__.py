@@ -5,9 +5,10 @@ module owns its command's options, examples and work, and registers itself with
 ``add_parser(commands)``:
 
 * ``_run``: ``shardtrain run``, a torchrun command line (rendezvous and restarts are
-  torchrun's); the workers of ``--local-rank-arg`` start through ``shardtrain._launch_shim``,
-  which stays outside this package because they run it by that module name; ``_run_flags``
-  holds torchrun's and DeepSpeed's spellings of its options;
+  torchrun's) from its options or a DeepSpeed hostfile (:mod:`shardtrain.launch`, which the
+  alias's ``deepspeed`` command reads too); the workers of ``--local-rank-arg`` start through
+  ``python -m shardtrain._launch_shim``; ``_run_flags`` holds torchrun's and DeepSpeed's
+  spellings of its options;
 * ``_estimate``: ``shardtrain estimate``, model-state memory per rank for ZeRO stages 0-3;
 * ``_model``: what ``--model`` names (a factory, a Hugging Face directory or config.json),
   built on the meta device: the one resolver of every command that takes a model;
@@ -20,14 +21,20 @@ module owns its command's options, examples and work, and registers itself with
 * ``_import_deepspeed``: ``shardtrain import-deepspeed``, a DeepSpeed checkpoint converted;
 * ``_autotune``: ``shardtrain autotune`` over :func:`shardtrain.autotune.autotune`;
 * ``_plot``: ``shardtrain plot`` over :func:`shardtrain.telemetry.plot_run`;
-* ``_alias``: ``shardtrain deepspeed-alias``, the ``deepspeed`` distribution;
+* ``_alias``: ``shardtrain deepspeed-alias``; ``_distribution``: the ``deepspeed`` alias
+  distribution it builds and installs, whose version (:func:`alias_version`) the alias tree
+  :mod:`shardtrain.deepspeed` reads from here;
 * ``_common``: the two kinds of error (a wrong argument exits with 2, failed work with 1),
   argument types that name a bad value, and number formatting.
 
 ``autotune`` and ``plot`` take their arguments unparsed and parse them in
-:func:`autotune_main` and :func:`plot_main`, which Python code may call too. This package is
+:func:`autotune_main` and :func:`plot_main`, which Python code may call too, as it may their
+parsers (:func:`build_autotune_parser`, :func:`build_plot_parser`) and registrations into
+another command's subparsers (:func:`add_autotune_parser`, :func:`add_plot_parser`), which
+the old modules :mod:`shardtrain.profiling` and :mod:`shardtrain.monitor` offer too. This package is
 the only one that builds a parser for a shardtrain command, and the packages it launches
-never import it.
+never import it; the alias tree (:mod:`shardtrain.deepspeed`) does, for its ``deepspeed`` and
+``ds_report`` commands and its version, and this package never imports the alias tree.
 
 Example:
     $ shardtrain run --nproc 2 train.py --config train.json
@@ -48,11 +55,16 @@ import torch
 from .. import __version__
 from . import (_alias, _autotune, _consolidate, _doctor, _estimate, _import_deepspeed,
                _info, _plot, _run, _trails)
-from ._autotune import autotune_main
+from ._autotune import add_parser as add_autotune_parser
+from ._autotune import autotune_main, build_autotune_parser
 from ._common import _Failure, _UsageError
-from ._plot import plot_main
+from ._distribution import DEEPSPEED_VERSION, alias_version
+from ._plot import add_parser as add_plot_parser
+from ._plot import build_plot_parser, plot_main
 
-__all__ = ["main", "build_parser", "autotune_main", "plot_main"]
+__all__ = ["main", "build_parser", "autotune_main", "plot_main", "build_autotune_parser",
+           "build_plot_parser", "add_autotune_parser", "add_plot_parser", "DEEPSPEED_VERSION",
+           "alias_version"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

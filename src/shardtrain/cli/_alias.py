@@ -1,11 +1,12 @@
 """``shardtrain deepspeed-alias``: install, remove or build the ``deepspeed`` alias, so that
 libraries which import deepspeed themselves (the Hugging Face Trainer, Accelerate, Lightning)
-run on shardtrain. The work is done by :mod:`shardtrain.deepspeed._distribution`."""
+run on shardtrain. The work is done by :mod:`._distribution`."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from . import _distribution as dist
 from ._common import _Failure
 
 _EXAMPLES = """\
@@ -43,7 +44,6 @@ def add_parser(commands) -> None:
 
 
 def _cmd_alias(args: argparse.Namespace) -> int:
-    from ..deepspeed import _distribution as dist  # the compatibility tree, only when asked
     try:
         if args.action == "install":
             dist.install(replace=args.replace)

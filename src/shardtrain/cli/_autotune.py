@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ..autotune import AutotuneError, AutotuneResult, autotune, format_trials, parse_size
 
 

@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import List
 
-from .._sizes import parse_size
+from ..memory import parse_size
 from ._common import _Failure, _human, _plural, _UsageError
 
 DEFAULT_SHARD_SIZE = "5GB"

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import __version__, accelerator, comm
-from .._sizes import format_bytes, parse_size
+from ..memory import format_bytes, parse_size
 from ._common import _default_nproc, _Failure, _positive_int
 from ._info import _deepspeed, _host, _launcher, _package_versions
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import __version__, accelerator, comm
+from . import _distribution
 from ._common import _human
 
 
@@ -76,8 +77,7 @@ def _package_versions() -> Dict[str, Optional[str]]:
 
 def _deepspeed() -> str:
     """Which ``deepspeed`` an import gives (the alias, DeepSpeed itself, none) and the undo."""
-    from ..deepspeed._distribution import status_line  # the compatibility tree, only here
-    return status_line()
+    return _distribution.status_line()
 
 
 def _accelerator() -> Dict[str, Any]:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..launch import Host, HostfileError, local_names, read_hostfile
 from ._common import _default_nproc, _non_negative_int, _positive_int, _UsageError
 from ._run_flags import add_foreign_options, add_option, spelled
 
@@ -131,14 +132,6 @@ def add_parser(commands) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Host:
-    """One hostfile line."""
-
-    name: str
-    slots: int
-
-
-@dataclasses.dataclass(frozen=True)
 class _Launch:
     """One torchrun command: what to print or run on one node."""
 
@@ -249,36 +242,16 @@ def _hostfile_launches(args: argparse.Namespace) -> List[_Launch]:
     return launches
 
 
-def _read_hostfile(path: Path) -> List[_Host]:
-    """Reads DeepSpeed's hostfile format: ``HOST slots=N`` per line, ``#`` comments."""
+def _read_hostfile(path: Path) -> List[Host]:
+    """The hostfile's hosts; a bad hostfile is a wrong argument (exit status 2)."""
     try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise _UsageError(f"cannot read --hostfile {str(path)!r}: {err.strerror}") from None
-    hosts: List[_Host] = []
-    for number, line in enumerate(lines, 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
-        if not match or int(match.group(2)) < 1:
-            raise _UsageError(f"{path}:{number}: expected 'HOST slots=N' with N >= 1, "
-                              f"got {line!r}")
-        if any(h.name == match.group(1) for h in hosts):
-            raise _UsageError(f"{path}:{number}: host {match.group(1)!r} is listed twice")
-        hosts.append(_Host(match.group(1), int(match.group(2))))
-    if not hosts:
-        raise _UsageError(f"--hostfile {str(path)!r} lists no hosts ('HOST slots=N' lines)")
-    return hosts
+        return read_hostfile(path)
+    except HostfileError as err:
+        raise _UsageError(str(err)) from None
 
 
-def _local_names() -> set:
-    """The names this host answers to in a hostfile."""
-    return {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
-
-
-def _this_host_rank(hosts: List[_Host], path: Path) -> int:
-    mine = [rank for rank, host in enumerate(hosts) if host.name in _local_names()]
+def _this_host_rank(hosts: List[Host], path: Path) -> int:
+    mine = [rank for rank, host in enumerate(hosts) if host.name in local_names()]
     if len(mine) != 1:
         raise _UsageError(f"this host ({socket.gethostname()}) is not in {path}; pass "
                           f"--node-rank R, or --dry-run to print every node's command")

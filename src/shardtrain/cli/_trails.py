@@ -1,6 +1,6 @@
 """``shardtrain trails``: the collective trails that ranks left behind, compared.
 
-Each rank keeps its last collectives in a file (:mod:`shardtrain._trail`); a rank that ends
+Each rank keeps its last collectives in a file (:func:`shardtrain.comm.trail`); a rank that ends
 without ``shardtrain.destroy()`` (killed, aborted by NCCL's watchdog, an exception) leaves
 it. When no rank lived to report, this command reads the files of one machine (or of many,
 copied into one folder) and names the first collective at which the ranks differ.
@@ -14,8 +14,7 @@ import re
 import time
 from typing import Any, Dict, List
 
-from .. import _trail, comm
-from .._failure import process_gone
+from .. import comm
 from ._common import _Failure
 
 _EXAMPLES = """\
@@ -50,8 +49,8 @@ def _cmd_trails(args: argparse.Namespace) -> int:
         raise _Failure(f"no trail files (rank<R>-pid<P>.trail) in {folder}: every rank of the "
                        "last jobs ended cleanly, or they ran on another machine (copy their "
                        "files here, or pass the folder that holds them).")
-    trails = {rank: _trail.read(f["path"]) for rank, f in files.items()}
-    diff = _trail.first_difference(trails)
+    trails = {rank: comm.read_trail(f["path"]) for rank, f in files.items()}
+    diff = comm.first_difference(trails)
     ended = [r for r, f in files.items() if f["ended"]]
     report = {"folder": folder, "ranks": [_rank_row(r, files[r], trails[r]) for r in files],
               "first_difference": None if diff is None else diff.explain(ended),
@@ -73,11 +72,11 @@ def _newest_per_rank(folder: str) -> Dict[int, Dict[str, Any]]:
         path = os.path.join(folder, name)
         rank, pid, mtime = int(match.group(1)), int(match.group(2)), os.path.getmtime(path)
         if rank not in found or mtime > found[rank]["mtime"]:
-            found[rank] = {"path": path, "pid": pid, "mtime": mtime, "ended": process_gone(pid)}
+            found[rank] = {"path": path, "pid": pid, "mtime": mtime, "ended": comm.process_gone(pid)}
     return dict(sorted(found.items()))
 
 
-def _rank_row(rank: int, f: Dict[str, Any], entries: List[_trail.Entry]) -> Dict[str, Any]:
+def _rank_row(rank: int, f: Dict[str, Any], entries: List[comm.TrailEntry]) -> Dict[str, Any]:
     last = entries[-1] if entries else None
     return {"rank": rank, "file": f["path"], "pid": f["pid"], "ended": f["ended"],
             "written": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f["mtime"])),

@@ -9,7 +9,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _trail
+from . import _trail
 from . import _process
 from ._process import get_rank, get_world_size, is_initialized
 

@@ -8,10 +8,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _diagnose
-from ._diagnose import _guarded, _trace
+from . import _divergence, _timing, _tracing
 from ._groups import Group, _global, _handle
 from ._process import all_gather_flat, get_rank, get_world_size, reduce_scatter_flat
+from ._report import guarded as _guarded
 
 _observers: List[Tuple[Callable[..., None], bool]] = []
 
@@ -35,7 +35,7 @@ class Work:
         if self._handle is not None:
             handle, self._handle = self._handle, None
             _guarded(self._op, self._group, self._tensor, handle.wait, timed=False)
-            _diagnose._completed(handle)
+            _timing.completed(handle)
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -58,8 +58,15 @@ def _notify(op: str, tensor: torch.Tensor, group: Optional["Group"] = None) -> N
             fn(op, tensor, group)
         else:
             fn(op, tensor)
-    if not _diagnose._trail_off:
+    if not _tracing.STATE.off:
         _trace(op, tensor, group)
+
+
+def _trace(op: str, tensor: Optional[torch.Tensor], group: Optional["Group"]) -> None:
+    """Writes the collective into the trail (and checks it in the per-collective mode)."""
+    g = _tracing.record(op, tensor, group)
+    if g is not None and _divergence.STATE.mode == "collective":
+        _divergence.check_group(g, f"before {op} over the {g.name} group")
 
 
 #: torch's reduction operations, so that ``comm.ReduceOp.SUM`` reads as in DeepSpeed scripts.

@@ -1,5 +1,5 @@
-"""The default process group: joining it, leaving it, who this process is in it, and how
-long a collective may wait by default.
+"""The default process group: joining it, leaving it, who this process is in it, how long a
+collective may wait by default, and the rendezvous store it was made through.
 
 :func:`init_distributed` reads torchrun's, SLURM's or OpenMPI's variables (a world of one
 needs none) and creates the group, or adopts one a caller created; :func:`destroy` leaves it.
@@ -289,6 +289,16 @@ def available_backends() -> dict:
               "mpi": "is_mpi_available", "ucc": "is_ucc_available", "xccl": "is_xccl_available"}
     return {name: bool(getattr(dist, fn)()) for name, fn in checks.items() if hasattr(dist, fn)}
 
+
+
+def default_store():
+    """The rendezvous store every rank joined at start (it still answers after the group
+    broke, while its host lives); None when there is none."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError) as err:
+        logger.debug("no rendezvous store: %s", err)
+        return None
 
 
 def before_destroy(fn: Callable[[], None]) -> None:

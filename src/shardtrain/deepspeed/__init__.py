@@ -18,11 +18,11 @@ Example:
 """
 from .. import Engine as DeepSpeedEngine
 from .. import add_config_arguments, init_distributed, initialize
+from ..cli import DEEPSPEED_VERSION, alias_version
 from ..log import log_dist, log_dist_once, logger
 from . import (accelerator, checkpoint, comm, compression, launcher, moe, module_inject, ops,
                runtime, utils)
 from ._autotp import tp_model_init
-from ._distribution import DEEPSPEED_VERSION, alias_version
 from ._missing import FIT_A_LARGE_MODEL, unsupported_class, unsupported_function
 from .accelerator import get_accelerator
 from .module_inject import replace_transformer_layer, set_autotp_mode

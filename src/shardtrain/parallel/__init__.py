@@ -7,6 +7,8 @@ plain ``nn.Parameter`` holding this rank's slice, whose layout record
 (:func:`shardtrain.layout.layout_of`) holds its :class:`SplitSpec` (:func:`is_tp_split`
 tells). The autograd functions that move
 activations in and out of the tensor-parallel group are exported for hand-written layers.
+:mod:`.rng` holds the random streams their dropout draws from (the same mask on every rank
+of the group, or a different one per rank: Megatron's RNG tracker).
 
 Sequence parallelism: :func:`enable_ulysses` routes a Hugging Face model's attention
 through an all-to-all over the sequence-parallel group; :func:`shard_sequence` gives a rank

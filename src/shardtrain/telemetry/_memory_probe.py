@@ -13,7 +13,7 @@ import contextlib
 from typing import Iterator, Optional, Tuple
 
 from .. import accelerator
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ..autotune.budget import MEMORY_BUDGET_ENV, OutOfMemoryError
 from .activation import ActivationMemory, SavedTensorMeter
 from ..state import EngineFace

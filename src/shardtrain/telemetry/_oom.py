@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import accelerator
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ..autotune.budget import OutOfMemoryError
 from ..memory import bytes_per_param, estimate_model_states
 from ..zero import GATHERING

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from .. import accelerator, comm
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ..log import logger
 
 __all__ = ["CommsLog", "configure", "enabled", "timed", "summary", "log_summary", "reset",

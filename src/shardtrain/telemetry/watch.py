@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .. import accelerator, comm
-from .._sizes import format_bytes
+from ..memory import format_bytes
 from ..autotune.budget import memory_budget_from_env
 from ..autotune.probe import TuningProbe
 from ..log import log_dist, log_dist_once

@@ -3,7 +3,7 @@ its checkpoints, for scripts that read or check a DeepSpeed checkpoint themselve
 
 The keys shardtrain's importer reads (``OPTIMIZER_STATE_DICT``, ``FP32_FLAT_GROUPS``,
 ``ZERO_STAGE``, ``PARAM_SHAPES``, ...) are the importer's own constants
-(``shardtrain.checkpoint._deepspeed_keys``), so the two cannot disagree; the rest name parts of
+(:mod:`shardtrain.checkpoint.deepspeed_keys`), so the two cannot disagree; the rest name parts of
 the layouts it does not read (pipeline and tensor-parallel files, the universal converter's
 metadata, expert parallelism's) and are DeepSpeed's values as they are. shardtrain's own
 checkpoints use none of them (docs/checkpoints.md).
@@ -13,7 +13,7 @@ Example:
     >>> saved = torch.load(path, weights_only=False)
     >>> saved[ZERO_STAGE], saved[OPTIMIZER_STATE_DICT]["param_groups"]
 """
-from ...checkpoint._deepspeed_keys import *  # noqa: F403 - the keys the importer reads
+from ...checkpoint.deepspeed_keys import *  # noqa: F403 - the keys the importer reads
 from .._constants import constant_names
 
 # -- optimizer states: the keys the importer does not need -----------------------------------------

@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ... import accelerator as _acc
-from ...cli._common import _UsageError
-from ...cli._run import _local_names, _read_hostfile
+from ...launch import HostfileError, local_names, read_hostfile
 
 __all__ = ["main", "translate", "LauncherError", "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS",
            "parse_resource_filter", "fetch_hostfile"]
@@ -102,13 +101,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def fetch_hostfile(path: str) -> Optional["OrderedDict[str, int]"]:
-    """``{host: slots}`` from a hostfile (``shardtrain run``'s reader), or None when the file
-    does not exist."""
+    """``{host: slots}`` from a hostfile (read as ``shardtrain run`` reads it:
+    :func:`shardtrain.launch.read_hostfile`), or None when the file does not exist."""
     if not os.path.isfile(path):
         return None
     try:
-        hosts = _read_hostfile(Path(path))
-    except _UsageError as err:
+        hosts = read_hostfile(Path(path))
+    except HostfileError as err:
         raise LauncherError(str(err)) from None
     return OrderedDict((h.name, h.slots) for h in hosts)
 
@@ -161,7 +160,7 @@ def _local_pool(num_gpus: int) -> "OrderedDict[str, List[int]]":
 
 
 def _is_local(host: str) -> bool:
-    return host in ("localhost", "127.0.0.1") or host in _local_names()
+    return host in ("localhost", "127.0.0.1") or host in local_names()
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:

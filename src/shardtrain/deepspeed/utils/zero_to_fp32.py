@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from ...checkpoint import full_weights
-from ...memory import write_weights
+from ...files import write_weights
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint"]

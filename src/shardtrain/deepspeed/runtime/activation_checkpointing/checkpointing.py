@@ -1,6 +1,6 @@
 """``deepspeed.checkpointing`` (``deepspeed.runtime.activation_checkpointing.checkpointing``):
 activation checkpointing, as :mod:`shardtrain.activation_checkpointing` provides it, and the
-model-parallel RNG streams of :mod:`shardtrain.rng` under DeepSpeed's names."""
+model-parallel RNG streams of :mod:`shardtrain.parallel.rng` under DeepSpeed's names."""
 from ....activation_checkpointing import (RNGStatesTracker, checkpoint, configure,
                                           get_rng_tracker, is_configured,
                                           model_parallel_manual_seed, reset)

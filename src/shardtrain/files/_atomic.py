@@ -4,17 +4,19 @@ A reader (a resuming job, an autotuning parent, ``from_pretrained``) must never 
 file, and a crash must never leave one under the final name. So a file is written under a
 temporary name beside its destination, flushed and fsync'ed, then renamed over it
 (``os.replace`` is atomic on POSIX and Windows); the directory is fsync'ed so that the rename
-itself survives a power cut.
+itself survives a power cut. :func:`write_json` is the JSON files the autotuner and its runs
+hand each other (trial configs, model info, metrics, the best config), written so.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 import zlib
-from typing import BinaryIO, Dict, Iterator, Union
+from typing import Any, BinaryIO, Dict, Iterator, Union
 
-__all__ = ["atomic_path", "synced_file", "write_synced", "fsync_dir", "temporary_name"]
+__all__ = ["atomic_path", "synced_file", "write_synced", "fsync_dir", "temporary_name", "write_json"]
 
 Blob = Union[bytes, bytearray, memoryview]
 
@@ -83,3 +85,10 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: str, data: Dict[str, Any]) -> None:
+    """Writes ``data`` atomically (a reader never sees half a file)."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import comm
-
-__all__ = ["CollectiveBounds"]
+from ._groups import set_timeout
+from ._process import default_timeout, timeout_override
 
 
 class CollectiveBounds:
@@ -24,22 +23,22 @@ class CollectiveBounds:
     """
 
     def __init__(self, diagnostics: Any):
-        forced = comm.timeout_override()
-        self.slow = forced or diagnostics.slow_collective_timeout or comm.default_timeout()
+        forced = timeout_override()
+        self.slow = forced or diagnostics.slow_collective_timeout or default_timeout()
         self.steady = min(forced or diagnostics.collective_timeout, self.slow)
         self._stepped = False  # a first optimizer step has completed
         self._inside = False   # between a forward and the end of its optimizer step
         if diagnostics.slow_collective_timeout is not None:
-            comm.set_timeout(self.slow)
+            set_timeout(self.slow)
 
     def enter_step(self) -> None:
         """A forward begins: the short bound, once a first step has completed."""
         if self._stepped and not self._inside and self.steady < self.slow:
-            comm.set_timeout(self.steady)
+            set_timeout(self.steady)
         self._inside = True
 
     def leave_step(self) -> None:
         """An optimizer step has completed: the long bound until the next forward."""
         if self._inside and self._stepped and self.steady < self.slow:
-            comm.set_timeout(self.slow)
+            set_timeout(self.slow)
         self._inside, self._stepped = False, True

@@ -15,7 +15,8 @@ process whose peer sent a collective of another size) leaves its trail to the su
 machine. Each group also keeps a running checksum of its calls (:meth:`Trail.fingerprints`),
 which ranks compare while the group still works, to catch divergence that does not hang.
 
-No ``torch.distributed`` here: :mod:`.comm` records, exchanges and compares.
+No ``torch.distributed`` here: :mod:`._tracing` records this rank's trail, :mod:`._report`
+and :mod:`._divergence` exchange and compare them.
 """
 from __future__ import annotations
 

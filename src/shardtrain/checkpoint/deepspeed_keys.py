@@ -7,7 +7,8 @@ constants, so a script that reads a DeepSpeed checkpoint with the alias's names 
 the importer does. Only names DeepSpeed 0.19.8 defines in its ``checkpoint/constants.py``
 belong here, with its values (``tests/test_deepspeed_constants.py`` holds the alias module
 against a record of them); the importer's other keys (``module``, ``dp_world_size``, ...)
-have no DeepSpeed constant and stay where they are read.
+have no DeepSpeed constant and stay where they are read. A public module, because the alias
+tree imports it.
 """
 
 # -- the optimizer states files ([bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt) ----------------
@@ -35,3 +36,5 @@ UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 # -- the universal form's per-parameter files (zero/<name>/<state>.pt) ----------------------------
 PARAM = "param"                                      # the tensor in each file's dict
 FP32_WEIGHT_KEY = "fp32"                             # the master's state: zero/<name>/fp32.pt
+
+__all__ = [name for name in list(globals()) if name.isupper()]  # every key above, in order

@@ -1,21 +1,19 @@
-"""Counting the bytes of model states a rank holds, and the peak memory of a block.
+"""The bytes of model states: those a rank holds (:func:`count_bytes`), and those the ZeRO
+formula predicts per stage (:func:`zero_formula_bytes`, and ``shardtrain estimate``'s rules in
+:func:`bytes_per_param` and :func:`estimate_model_states`).
 
 Tensors that share storage (a gradient that is a view into a flat bucket, a parameter
 tied to another) are counted once, in the first category that names them.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Dict, Iterable, Iterator, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 
-from . import accelerator
-from ._fileio import atomic_path
-
 __all__ = ["count_bytes", "zero_formula_bytes", "BytesPerParam", "bytes_per_param",
-           "estimate_model_states", "write_weights", "peak_memory"]
+           "estimate_model_states"]
 
 
 def count_bytes(groups: Dict[str, Iterable[torch.Tensor]]) -> Dict[str, int]:
@@ -95,83 +93,3 @@ def estimate_model_states(trainable: int, frozen: int, persistent: int, world_si
     extra = round(b.p * persistent * (world_size - 1) / world_size) if stage == 3 else 0
     return {"params": share(p=b.p) + extra, "grads": share(g=b.g), "optimizer": share(k=b.k),
             "total": share(b.p, b.g, b.k) + extra}
-
-
-@contextlib.contextmanager
-def peak_memory(interval: float = 0.0005) -> Iterator[Dict[str, Optional[int]]]:
-    """Measures how far the block raised this process's memory above its level at the start:
-    ``host``, the peak of anonymous resident memory (Linux's ``RssAnon``, sampled every
-    ``interval`` seconds by a thread: file pages a read maps in are the page cache's, not the
-    process's, and are not counted; None where it cannot be read), and ``device``, CUDA's peak
-    of allocated bytes (0 without CUDA). The dict is filled when the block ends.
-
-    Example:
-        >>> with peak_memory() as peak:
-        ...     engine.save_16bit_model("out", "model.safetensors")
-        >>> peak["host"], peak["device"]
-    """
-    result: Dict[str, Optional[int]] = {}
-    start = _anonymous()
-    device_start = accelerator.memory_stats().get("allocated", 0)
-    accelerator.reset_peak_memory()
-    sampler = _Sampler(interval) if start is not None else None
-    try:
-        yield result
-    finally:
-        top = sampler.stop() if sampler is not None else None
-        result["host"] = None if top is None else max(top - start, 0)
-        result["device"] = max(accelerator.memory_stats().get("peak", device_start) - device_start, 0)
-
-
-def _anonymous() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class _Sampler:
-    """The largest :func:`_anonymous` seen by a thread polling it until :meth:`stop`."""
-
-    def __init__(self, interval: float):
-        import threading
-        self.top, self._interval = _anonymous() or 0, interval
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._done.wait(self._interval):
-            self.top = max(self.top, _anonymous() or 0)
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return max(self.top, _anonymous() or 0)
-
-
-def write_weights(state: Dict[str, torch.Tensor], path: str) -> None:
-    """Writes a flat state dict atomically: safetensors for ``*.safetensors``, else
-    ``torch.save``. A temporary file is renamed into place, so a crash leaves no half file."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    with atomic_path(path) as tmp:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import save_file
-            save_file(_untie(tensors), tmp)
-        else:
-            torch.save(tensors, tmp)
-
-
-def _untie(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied weights): give each its own."""
-    seen = set()
-    out = {}
-    for k, v in tensors.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset())
-        out[k] = v.clone() if key in seen else v
-        seen.add(key)
-    return out

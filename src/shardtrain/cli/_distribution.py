@@ -11,6 +11,12 @@ wheel is built on the spot, in a temporary folder, and never meant to leave the 
 Installing it where DeepSpeed itself is installed replaces DeepSpeed (one distribution owns
 the ``deepspeed`` name), so :func:`install` refuses unless asked to ``replace`` and then says
 what it replaced and how to bring it back.
+
+It lives with the command that builds and installs it (``shardtrain deepspeed-alias``:
+:mod:`._alias`); :mod:`shardtrain.deepspeed` reads its version from here
+(:func:`alias_version` and :data:`DEEPSPEED_VERSION`, which :mod:`shardtrain.cli` exports),
+so that imports between the two go one way: the alias tree, whose ``deepspeed`` and
+``ds_report`` commands run this package's, over the command line.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ speak runs :func:`inquire`:
 4. it waits briefly until the others have read too, so that the store's host does not leave
    while a peer still reads.
 
-No ``torch.distributed`` here: :mod:`.comm` passes the store in.
+No ``torch.distributed`` here: :mod:`._report` passes the store in.
 """
 from __future__ import annotations
 
