@@ -11,7 +11,7 @@ venv: $(STAMP)
 
 # The last line installs the `deepspeed` alias (built here, never uploaded anywhere), so that
 # the tests run the Hugging Face Trainer, Accelerate and Lightning on shardtrain.
-$(STAMP): pyproject.toml requirements-dev.txt src/shardtrain/deepspeed/_distribution.py
+$(STAMP): pyproject.toml requirements-dev.txt src/shardtrain/cli/_distribution.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-dev.txt -e .
 	$(VENV)/bin/shardtrain deepspeed-alias install
