@@ -17,13 +17,13 @@ else too, and two objects would answer to one engine.
 """
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _python_gc as python_gc
 from .full_weights import full_state_dict
 
 
@@ -277,4 +277,4 @@ class DeepSpeedEngineAPI:
     def collect_python_gc(self) -> int:
         """Runs Python's cyclic garbage collector once (with ``disable_python_gc`` it is off
         otherwise); the number of unreachable objects found."""
-        return python_gc.collect()
+        return gc.collect()

@@ -22,7 +22,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import accelerator, activation_checkpointing as checkpointing, comm
-from . import _python_gc as python_gc
 from . import checkpoint as _ckpt
 from .comm import CollectiveBounds
 from ._engine_compat import DeepSpeedEngineAPI
@@ -31,6 +30,7 @@ from .data import ShardedDataLoader, is_map_dataset
 from .errors import GradientsUnavailableError, StepOrderError, UnusedParametersError
 from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
+from .layout import layout_of
 from .memory import count_bytes
 from .optim import build_optimizer, build_scheduler
 from .parallel import Parallelism, build_mesh, parallelize
@@ -101,10 +101,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (telemetry)
         self._publish_optimizer_flags(overflow=False)
-        live_engines.add(self)
-        self._gc_lease = bool(self.config.disable_python_gc)
-        if self._gc_lease:
-            python_gc.acquire()
+        live_engines.add(self, pause_gc=bool(self.config.disable_python_gc))
         # Weights loaded into the module later must reach the fp32 masters too.
         self._load_hook = self.module.register_load_state_dict_post_hook(
             lambda module, keys: self._strategy.refresh_masters())
@@ -832,9 +829,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._load_hook.remove()
         live_engines.discard(self)
         checkpointing.release_mpu(self._parallel.mpu)
-        if self._gc_lease:
-            python_gc.release()
-            self._gc_lease = False
         comm.set_position(None, replacing=self._describe_position)
         self._phase = Phase.DESTROYED
 
@@ -868,7 +862,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         world sizes, the ZeRO stage, the dtypes, the batch triple, the optimizer and scheduler,
         the parameters and this rank's model-state bytes (``dump_state`` logs it at start)."""
         params = list({id(p): p for p in self.module.parameters()}.values())
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+        trainable = sum(layout_of(p).local_numel for p in params if p.requires_grad)
         floats = [p.dtype for p in params if p.is_floating_point()]
         rows = {
             "world_size": self.world_size, "mesh": repr(self.mesh),

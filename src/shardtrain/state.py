@@ -10,7 +10,8 @@
 * :data:`live_engines` is the registry of the engines alive in this process
   (:class:`LiveEngines`): the rooms below the engine (pretrained weights, the ``deepspeed``
   tree's ``safe_get_full_*``) find the engine that trains a module or a parameter there,
-  through the members :class:`RegisteredEngine` names, without importing the engine.
+  through the members :class:`RegisteredEngine` names, without importing the engine. It
+  also holds the engines' lease on Python's garbage collector (``disable_python_gc``).
 * :class:`TrainState` holds the counters DeepSpeed's engine exposes (``global_steps``,
   ``global_samples``, ``skipped_steps``, ``micro_steps``) as one stateful part, with
   ``state_dict``/``load_state_dict`` as ``torch.distributed.checkpoint`` expects of its parts.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
+import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence
 
@@ -140,7 +143,7 @@ class TrainingParts:
         gradient_accumulation_steps: the current value.
         device: where the model lives.
         mesh: the device mesh (:class:`shardtrain.comm.Mesh`): the data-parallel group the
-            optimizer's slices are spread over, and the tensor-parallel one of ``tp_split``
+            optimizer's slices are spread over, and the tensor-parallel one of split
             parameters.
     """
 
@@ -173,16 +176,44 @@ class RegisteredEngine(Protocol):
 
 
 class LiveEngines:
-    """The engines alive in this process (weak references: a dropped engine leaves)."""
+    """The engines alive in this process (weak references: a dropped engine leaves).
+
+    It also holds their lease on Python's cyclic garbage collector (DeepSpeed's
+    ``disable_python_gc``: a collection pass over a large heap of tensors and modules can
+    stall a step for tens of milliseconds at an unpredictable point): the first engine that
+    joins asking for it turns the collector off, and the last of them to leave turns it back
+    on if it was on before. Reference counting still frees everything without cycles;
+    ``engine.collect_python_gc()`` runs one collection where the training loop chooses.
+    """
 
     def __init__(self) -> None:
         self._engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._pausing_gc: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._gc_holders = 0
+        self._gc_was_enabled = False
+        self._lock = threading.Lock()
 
-    def add(self, engine: RegisteredEngine) -> None:
+    def add(self, engine: RegisteredEngine, pause_gc: bool = False) -> None:
+        """Registers ``engine``; with ``pause_gc``, it holds a lease on the collector until
+        it leaves."""
         self._engines.add(engine)
+        if pause_gc and engine not in self._pausing_gc:
+            with self._lock:
+                if self._gc_holders == 0:
+                    self._gc_was_enabled = gc.isenabled()
+                    gc.disable()
+                self._gc_holders += 1
+            self._pausing_gc.add(engine)
 
     def discard(self, engine: RegisteredEngine) -> None:
+        """``engine`` leaves (its lease on the collector with it)."""
         self._engines.discard(engine)
+        if engine in self._pausing_gc:
+            self._pausing_gc.discard(engine)
+            with self._lock:
+                self._gc_holders -= 1
+                if self._gc_holders == 0 and self._gc_was_enabled:
+                    gc.enable()
 
     def __iter__(self) -> Iterator[RegisteredEngine]:
         return iter(list(self._engines))
