@@ -12,7 +12,7 @@ is gathered, so rank 0's host holds one tensor at a time, never the model. A ``t
 file cannot be written that way (a pickle needs every tensor at once), so rank 0 holds the
 whole model on the host for it.
 
-With tensor parallelism, a split parameter (``tp_split``) is also joined from the slices of
+With tensor parallelism, a split parameter (``layout_of(p).tp``) is also joined from the slices of
 its tensor-parallel group (one all-gather), so the names and shapes are the unsplit model's.
 
 Example:
@@ -30,7 +30,8 @@ import torch
 
 from . import comm
 from .files import Layout, atomic_path, fsync_dir, header_bytes, tensor_bytes, write_weights
-from .zero._params import GatheredParameters, is_partitioned
+from .layout import layout_of
+from .zero.values import GatheredParameters, is_partitioned
 
 __all__ = ["iter_full_weights", "save_full_weights", "full_state_dict"]
 
@@ -75,10 +76,11 @@ def iter_full_weights(module: torch.nn.Module, exclude: Iterable[str] = ()) -> I
 def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a tensor-parallel slice (a collective over its group); any other
     tensor as it is."""
-    spec = getattr(param, "tp_split", None)
+    layout = layout_of(param)
+    spec = layout.tp
     if spec is None:
         return value
-    group = param.tp_group
+    group = layout.tp_group
     flat = torch.empty(group.size() * value.numel(), dtype=value.dtype, device=value.device)
     comm.all_gather(flat, value.contiguous().view(-1), group=group)
     return spec.join(list(flat.view(group.size(), *value.shape).unbind(0)))
@@ -86,11 +88,7 @@ def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def _full_shape(t: torch.Tensor) -> List[int]:
     """The shape of the unsplit, unpartitioned tensor ``t`` is a slice or shard of."""
-    shape = list(getattr(t, "ds_shape", t.shape)) if is_partitioned(t) else list(t.shape)
-    spec = getattr(t, "tp_split", None)
-    if spec is not None:
-        shape[spec.dim] = spec.full_size
-    return shape
+    return list(layout_of(t).full_shape)
 
 
 def full_state_dict(module: torch.nn.Module, exclude: Iterable[str] = (),

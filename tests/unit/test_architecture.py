@@ -173,27 +173,6 @@ def is_private(part: str) -> bool:
     return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
 
 
-#: Imports of another package's private modules that the rework of issue 28 removes: a public
-#: record of each parameter's layout in zero/ replaces what checkpoint/, pretrained/ and
-#: full_weights.py read from zero._params, zero._shards and zero._optview, and the registry of
-#: live engines leaves _engine_compat. TO BE EMPTIED: nothing may be added to it, and an entry
-#: whose import is gone fails the test until it is removed from here.
-PRIVATE_IMPORTS_TO_REMOVE = {
-    ("checkpoint/_deepspeed_layout.py", "shardtrain.zero._shards"),
-    ("checkpoint/_engine_state.py", "shardtrain.zero._params"),
-    ("checkpoint/_engine_state.py", "shardtrain.zero._shards"),
-    ("checkpoint/_import.py", "shardtrain.zero._optview"),
-    ("checkpoint/_integrity.py", "shardtrain.zero._shards"),
-    ("checkpoint/_manifest.py", "shardtrain.zero._shards"),
-    ("checkpoint/_mesh_values.py", "shardtrain.zero._params"),
-    ("checkpoint/_mesh_values.py", "shardtrain.zero._shards"),
-    ("checkpoint/_staging.py", "shardtrain.zero._shards"),
-    ("full_weights.py", "shardtrain.zero._params"),
-    ("pretrained/_write.py", "shardtrain.zero._params"),
-    ("pretrained/_write.py", "shardtrain.zero._shards"),
-}
-
-
 def test_no_package_imports_what_another_keeps_private():
     """What a package shares is public in it (a module or a name without ``_``); its own
     ``_`` modules and names are its business only. Type hints count too."""
@@ -205,9 +184,35 @@ def test_no_package_imports_what_another_keeps_private():
                 continue
             if any(map(is_private, module.split(".")[1:])) or (name and is_private(name)):
                 found.add((path, module))
-    assert not found - PRIVATE_IMPORTS_TO_REMOVE, sorted(found - PRIVATE_IMPORTS_TO_REMOVE)
-    assert not PRIVATE_IMPORTS_TO_REMOVE - found, (
-        "gone: remove from PRIVATE_IMPORTS_TO_REMOVE", sorted(PRIVATE_IMPORTS_TO_REMOVE - found))
+    assert not found, sorted(found)
+
+
+#: The attributes a parameter's layout is written to for DeepSpeed's readers; shardtrain itself
+#: reads the record (shardtrain.layout.layout_of). Only layout/ writes them, and only zero/'s
+#: own machinery reads the ZeRO ones.
+#: (``tp_group`` is also the record's own field, so it is not listed.)
+LAYOUT_ATTRIBUTES = {"ds_shape", "ds_numel", "ds_persist", "ds_process_group", "tp_split"}
+
+
+def test_only_the_layout_record_says_where_a_parameter_lives():
+    """Outside layout/ and zero/ no module reads or writes a parameter's layout attributes
+    (``p.ds_shape``, ``getattr(p, "tp_split", ...)``): it reads ``layout_of(p)``."""
+    found = []
+    for path, tree in modules():
+        if path.startswith(("layout/", "zero/")):
+            continue
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute) and node.attr in LAYOUT_ATTRIBUTES:
+                name = node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant)
+                  and node.args[1].value in LAYOUT_ATTRIBUTES):
+                name = node.args[1].value
+            if name is not None:
+                found.append(f"{path}:{node.lineno} {name}")
+    assert not found, found
 
 
 def room_of(module: str) -> str:
@@ -267,3 +272,82 @@ def test_the_deepspeed_surface_reads_only_the_engines_public_members():
     assert not private, private
     names = {n.name for n in mixin.body if isinstance(n, ast.FunctionDef)}
     assert not names & {"destroy", "of_parameter", "optimizer_slot", "parameters_changed"}
+
+
+def test_the_checkpoint_package_says_what_each_of_its_modules_does():
+    """checkpoint/'s docstring divides the work among its modules: it names every one."""
+    doc = ast.get_docstring(ast.parse((SRC / "checkpoint" / "__init__.py").read_text()))
+    missing = [p.stem for p in (SRC / "checkpoint").glob("*.py")
+               if p.stem != "__init__" and f"``{p.stem}``" not in doc
+               and f":mod:`.{p.stem}`" not in doc]
+    assert not missing, missing
+
+
+# -- docs/architecture.md's rooms table ----------------------------------------------------------
+
+ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
+TABLE_HEADER = "| room | its one idea | uses |"
+
+
+def room_uses() -> dict:
+    """Each room's rooms imported at run time (type hints aside), as the cycle rule sees them;
+    the top level's ``__init__.py`` is the room ``__init__``."""
+    shown = {"shardtrain": "__init__"}
+    found: dict = {}
+    for path, tree in modules():
+        me = shown.get(room_of(module_name(path)), room_of(module_name(path)))
+        targets = found.setdefault(me, set())
+        for module, name in imports(path, tree, type_hints=False):
+            target = room_of(f"{module}.{name}" if module == "shardtrain" and name else module)
+            targets.add(shown.get(target, target))
+        targets.discard(me)
+    return found
+
+
+def table_rows(text: str):
+    """``(line index, rooms of the row, its cells)`` for each row of the rooms table."""
+    lines = text.splitlines()
+    start = lines.index(TABLE_HEADER) + 2
+    for i in range(start, len(lines)):
+        if not lines[i].startswith("|"):
+            break
+        cells = [c.strip() for c in lines[i].strip("|").split("|")]
+        names = [n.strip().strip("`") for n in cells[0].split(",")]
+        yield i, {n.rstrip("/").removesuffix(".py") for n in names}, cells
+
+
+def expected_uses(rooms: set, uses: dict) -> str:
+    found = set().union(*(uses.get(r, set()) for r in rooms)) - rooms
+    return ", ".join(f"`{r}`" for r in sorted(found)) or "-"
+
+
+def test_the_rooms_table_lists_every_room_and_what_it_uses():
+    """docs/architecture.md names every top-level module and package once, and its "uses"
+    column is what each room imports (``python tests/unit/test_architecture.py --write``
+    rewrites that column from the code)."""
+    uses = room_uses()
+    listed: list = []
+    wrong = []
+    for _, rooms, cells in table_rows(ARCHITECTURE.read_text()):
+        listed.extend(rooms)
+        if cells[2] != expected_uses(rooms, uses):
+            wrong.append(f"{sorted(rooms)}: table says {cells[2]!r}, code {expected_uses(rooms, uses)!r}")
+    assert sorted(listed) == sorted(uses), (sorted(set(uses) - set(listed)),
+                                            sorted(set(listed) - set(uses)))
+    assert not wrong, wrong
+
+
+def _write_uses() -> None:
+    uses = room_uses()
+    lines = ARCHITECTURE.read_text().splitlines()
+    for i, rooms, cells in list(table_rows("\n".join(lines))):
+        cells[2] = expected_uses(rooms, uses)
+        lines[i] = "| " + " | ".join(cells) + " |"
+    ARCHITECTURE.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] == ["--write"]:
+        _write_uses()
+        print(f"wrote {ARCHITECTURE}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from .. import accelerator, comm
 from ..log import log_dist
 from ..files import write_json
+from ..layout import layout_of
 from .budget import MEMORY_BUDGET_ENV, OutOfMemoryError, memory_budget_from_env
 from ..state import EngineFace
 
@@ -30,7 +31,7 @@ def model_info_record(engine: EngineFace, activation: ActivationMemory, micro_ba
     Called after an optimizer step, when gradients and optimizer states exist.
     """
     params = list(engine.module.parameters())
-    numel = [getattr(p, "ds_numel", p.numel()) for p in params]
+    numel = [layout_of(p).local_numel for p in params]
     states = engine.model_state_bytes()
     return {
         "num_params": sum(numel),

@@ -32,15 +32,21 @@ to ``<tag>`` once every rank has written and fsync'ed its part; ``latest`` is re
 How the modules divide the work:
 
 * ``_format``: names, version, file naming, dtype names, JSON encoding of values.
+* ``_paths``: which paths a checkpoint may name and which files a load may open (tags are
+  plain names, files regular and inside the directory).
 * ``_agreement``: a failure on one rank is raised on every rank, after each phase, so no
   rank waits in a collective that another never joins.
 * ``_engine_state``: the one module that reads and writes the engine (module, parameters and
   their shards, optimizer, scheduler, loss scaler, data loader, counters, precision, config).
 * ``_client_state``: the user's ``client_state``, split into JSON, tensors and pickled objects.
 * ``_manifest``: meta.json. ``_staging``: what each rank writes, checked before any write.
+* ``_mesh_values``: between this rank's tensors and the unsplit model on a device mesh
+  (tensor-parallel slices, optimizer slices over a data-parallel group).
 * ``_safetensors_writer``: rank files written from the tensors' memory, with per-tensor checksums.
-* ``_saving``: the phases of a save and the atomic publication of the directory.
-* ``_reading``: the tag, meta.json, verified byte ranges of the rank files.
+* ``_saving``: the phases of a save and the atomic publication of the directory;
+  ``_background``: the one save that may run in a thread (``checkpoint.async_save``).
+* ``_reading``: the tag, meta.json, verified byte ranges of the rank files; ``_integrity``:
+  meta.json checked against the rank files' headers (sizes, CRC32s, ranges).
 * ``_loading``: what each rank reads and checks; ``_applying``: putting it into the engine.
 * ``_consolidation``: full weights in one process.
 * DeepSpeed's checkpoints: ``_deepspeed_files`` (finding them; torch's restricted unpickler
@@ -49,7 +55,8 @@ How the modules divide the work:
   indices), ``_deepspeed_reader`` (every layout); ``_import``: that state written as a
   shardtrain checkpoint by :func:`save_checkpoint`; :mod:`.deepspeed_keys`: the keys read,
   by DeepSpeed's names (public: the alias's ``deepspeed.checkpoint.constants`` re-exports
-  them).
+  them); ``_universal``: ``engine.load_checkpoint`` on a DeepSpeed directory (``latest``,
+  or ``latest_universal`` with ``checkpoint.load_universal``).
 * ``_export_plan`` and ``_export``: the Hugging Face layout (shards, index, config.json),
   planned from meta.json, then streamed tensor by tensor with bounded memory.
 

@@ -11,7 +11,7 @@ one flat vector, cut across the data-parallel ranks in one of two ways:
   Concatenating the ranks' pieces gives the group's flat vector, in which parameter ``i``
   starts at the sum of the sizes and paddings before it.
 * **stage 3**: every parameter is cut on its own into ``ceil(numel / world)``-element pieces
-  (the last rank's padded), exactly as :func:`shardtrain.zero._shards.shard_range` cuts it;
+  (the last rank's padded), exactly as :func:`shardtrain.layout.shard_range` cuts it;
   a rank's flat vector is its pieces of every parameter end to end, in ``param_shapes`` order,
   sub-group after sub-group.
 
@@ -25,7 +25,7 @@ from typing import Iterator, List, Sequence, Tuple
 
 import torch
 
-from ..zero._shards import chunk_size, shard_range
+from ..layout import chunk_size, shard_range
 
 __all__ = ["FlatView", "group_offsets", "stage3_offsets", "stage3_param"]
 

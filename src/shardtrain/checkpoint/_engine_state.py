@@ -7,10 +7,11 @@ precision, the config and the device. This module is the one that reads those pa
 other module of the package goes through its functions.
 
 Stages 0-2 keep every module parameter whole on every rank. Stage 3 keeps only a shard of a
-partitioned parameter (the full shape in ``ds_shape``), which is exactly the even shard a rank
-file holds; any other range is gathered (a collective: every rank asks for it).
+partitioned parameter (its layout record, :func:`shardtrain.layout.layout_of`, says which),
+which is exactly the even shard a rank file holds; any other range is gathered through
+:mod:`shardtrain.zero.values` (a collective: every rank asks for it).
 
-On a device mesh a parameter may also be a tensor-parallel slice (``tp_split``). A checkpoint
+On a device mesh a parameter may also be a tensor-parallel slice (``layout_of(p).tp``). A checkpoint
 always describes the unsplit model (:func:`shape`, :func:`numel`), so it loads on any mesh;
 this rank's own tensor is the *local* one (:func:`local_numel`, :func:`param_range`), and
 :mod:`._mesh_values` moves between the two.
@@ -18,7 +19,6 @@ this rank's own tensor is the *local* one (:func:`local_numel`, :func:`param_ran
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -27,13 +27,14 @@ import torch
 from .. import comm
 from ..log import logger
 from ..state import TrainingParts
-from ..zero._params import GatheredParameters, is_partitioned
-from ..zero._shards import shard_range
+from ..layout import layout_of
+from ..zero import values
+from ..zero.values import is_partitioned
 from ._format import dtype_name
 
 
 __all__ = [
-    "Trainable", "shape", "numel", "local_numel", "tp_split", "plain_layout", "any_tp_split",
+    "Trainable", "shape", "numel", "local_numel", "plain_layout", "any_tp_split",
     "zero_group", "own_shard", "param_range", "set_param", "set_shard",
     "named_params", "named_buffers", "trainables", "aliases", "any_partitioned",
     "zero_stage", "check_stage", "async_save", "global_steps", "counters", "restore_counters",
@@ -46,63 +47,39 @@ __all__ = [
 
 def shape(p: torch.Tensor) -> List[int]:
     """The unsplit parameter's shape (whatever stage 3 or tensor parallelism holds of it)."""
-    local = list(getattr(p, "ds_shape", p.shape))
-    spec = getattr(p, "tp_split", None)
-    if spec is not None:
-        local[spec.dim] = spec.full_size
-    return local
+    return list(layout_of(p).full_shape)
 
 
 def numel(p: torch.Tensor) -> int:
     """The unsplit parameter's element count."""
-    return math.prod(shape(p))
+    return layout_of(p).numel
 
 
 def local_numel(p: torch.Tensor) -> int:
     """The element count of this rank's tensor-parallel slice (the parameter itself without
     tensor parallelism), before stage 3 partitions it."""
-    return int(getattr(p, "ds_numel", p.numel()))
-
-
-def tp_split(p: torch.Tensor):
-    """The parameter's :class:`~shardtrain.parallel.SplitSpec`, or None when it is whole."""
-    return getattr(p, "tp_split", None)
+    return layout_of(p).local_numel
 
 
 def own_shard(p: torch.Tensor) -> Optional[Tuple[int, int]]:
     """``[lo, hi)`` of this rank's shard of a partitioned parameter; None for one kept whole."""
-    if not is_partitioned(p):
-        return None
-    return shard_range(p.ds_numel, p.ds_process_group.size(), p.ds_process_group.rank())
+    return layout_of(p).shard if is_partitioned(p) else None
 
 
 def param_range(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements [lo, hi) of this rank's flattened (local) parameter (a view where possible)."""
-    own = own_shard(p)
-    if own is None:
-        return p.detach().reshape(-1)[lo:hi]
-    if (lo, hi) == own:
-        return p.ds_tensor[: hi - lo]
-    with GatheredParameters([p]):
-        return p.ds_full.reshape(-1)[lo:hi].clone()
+    return values.read_range(p, lo, hi)
 
 
-@torch.no_grad()
 def set_param(p: torch.Tensor, full: torch.Tensor) -> None:
     """Writes this rank's whole (local) parameter ``full`` (1-D, any dtype) into the module
     (at stage 3, into this rank's shard of it)."""
-    own = own_shard(p)
-    if own is None:
-        p.data.copy_(full.reshape(p.shape))
-        return
-    lo, hi = own
-    p.ds_tensor[: hi - lo].copy_(full.reshape(-1)[lo:hi])
+    values.write_whole(p, full)
 
 
-@torch.no_grad()
 def set_shard(p: torch.Tensor, shard: torch.Tensor) -> None:
     """Writes this rank's shard (1-D) of a partitioned parameter."""
-    p.ds_tensor[: shard.numel()].copy_(shard)
+    values.write_shard(p, shard)
 
 
 @dataclass
@@ -151,7 +128,7 @@ def plain_layout(parts: TrainingParts) -> bool:
 
 
 def any_tp_split(parts: TrainingParts) -> bool:
-    return any(tp_split(p) is not None for p in parts.module.parameters())
+    return any(layout_of(p).tp is not None for p in parts.module.parameters())
 
 
 def zero_group(parts: TrainingParts) -> comm.Group:

@@ -34,7 +34,7 @@ from ..log import logger
 from ..optim import build_optimizer
 from ..precision import LossScaler, Precision
 from ..state import TrainingParts, TrainState
-from ..zero._optview import ParamSlot
+from ..zero.strategy import ParamSlot
 from ._agreement import as_plain_errors
 from ._deepspeed_reader import read_deepspeed
 from ._deepspeed_state import DeepSpeedState, TrainedParam

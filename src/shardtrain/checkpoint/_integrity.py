@@ -33,7 +33,7 @@ import json
 import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..zero._shards import shard_range
+from ..layout import shard_range
 from ._agreement import Problem, corrupted
 from ._paths import RANK_FILE
 

@@ -17,7 +17,7 @@ import torch
 
 from .. import comm
 from ..state import TrainingParts
-from ..zero._shards import shard_range
+from ..layout import shard_range
 from . import _engine_state as engine_state
 from ._engine_state import Trainable
 from ._format import FORMAT, FORMAT_VERSION, Piece, dtype_name, encode

@@ -3,7 +3,7 @@
 A checkpoint holds every tensor of the unsplit model, cut into even shards over the saving
 world, so it loads on any mesh. Without a mesh a rank's optimizer slice *is* its even shard
 (:mod:`._staging` writes it as it is). On a mesh it is not: the optimizer's slices are spread
-over the data-parallel group only, and a tensor-parallel parameter (``tp_split``) is one slice
+over the data-parallel group only, and a tensor-parallel parameter (``layout_of(p).tp``) is one slice
 of the unsplit tensor. Saving then rebuilds each unsplit tensor, one at a time, with two
 all-gathers (over the data-parallel group, then the tensor-parallel one) and keeps this rank's
 even shard of it; loading reads the unsplit tensor and keeps this rank's slice.
@@ -15,8 +15,8 @@ from typing import Dict, Optional
 import torch
 
 from .. import comm
-from ..zero._params import GatheredParameters, is_partitioned
-from ..zero._shards import chunk_size, shard_range
+from ..layout import chunk_size, layout_of, shard_range
+from ..zero import values
 from . import _engine_state as engine_state
 from ._engine_state import Trainable
 from ._manifest import elementwise
@@ -27,12 +27,13 @@ __all__ = ["unsplit", "local_of", "whole_local", "local_param", "state_keys", "r
 
 def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The unsplit flattened tensor, from this rank's whole local flattened one (an all-gather
-    over the tensor-parallel group of a ``tp_split`` parameter; every rank of it calls)."""
-    spec = engine_state.tp_split(p)
+    over the tensor-parallel group of a split parameter; every rank of it calls)."""
+    layout = layout_of(p)
+    spec = layout.tp
     if spec is None:
         return local
-    group: comm.Group = p.tp_group
-    shape = list(getattr(p, "ds_shape", p.shape))
+    group: comm.Group = layout.tp_group
+    shape = list(layout.local_shape)
     flat = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather(flat, local.contiguous().view(-1), group=group)
     return spec.join(list(flat.view(group.size(), *shape).unbind(0))).reshape(-1)
@@ -40,11 +41,12 @@ def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def local_of(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's local flattened tensor, from the unsplit flattened one."""
-    spec = engine_state.tp_split(p)
+    layout = layout_of(p)
+    spec = layout.tp
     if spec is None:
         return full
-    group: comm.Group = p.tp_group
-    whole = full.view(engine_state.shape(p))
+    group: comm.Group = layout.tp_group
+    whole = full.view(layout.full_shape)
     return spec.shard(whole, group.rank(), group.size()).reshape(-1)
 
 
@@ -69,10 +71,7 @@ def whole_local(mine: Optional[torch.Tensor], t: Trainable, group: comm.Group,
 def local_param(p: torch.Tensor) -> torch.Tensor:
     """This rank's whole local flattened parameter (at stage 3, gathered over its group: a
     collective)."""
-    if not is_partitioned(p):
-        return p.detach().reshape(-1)
-    with GatheredParameters([p]):
-        return p.ds_full.detach().reshape(-1).clone()
+    return values.read_whole(p)
 
 
 def state_keys(parts, trainables: Dict[str, Trainable]) -> Dict[str, Dict[str, torch.dtype]]:
@@ -93,8 +92,8 @@ def state_keys(parts, trainables: Dict[str, Trainable]) -> Dict[str, Dict[str, t
 
 def read_local(reader, key: str, entry: Dict, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of this rank's local flattened tensor ``key``: a range of the
-    saved tensor, or (for a ``tp_split`` parameter) this rank's slice of the whole of it."""
-    if engine_state.tp_split(p) is None:
+    saved tensor, or (for a tensor-parallel split parameter) this rank's slice of the whole of it."""
+    if layout_of(p).tp is None:
         return reader.read(key, entry, lo, hi)
     return local_of(reader.read(key, entry, 0, engine_state.numel(p)), p)[lo:hi]
 

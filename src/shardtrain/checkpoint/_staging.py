@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..state import TrainingParts
-from ..zero._shards import shard_range
+from ..layout import shard_range
 from . import _engine_state as engine_state
 from . import _mesh_values as mesh
 from ._client_state import pickle_objects, split_client_state

@@ -1,8 +1,8 @@
 """Tensor-parallel layers that hold this rank's shards as plain parameters.
 
 Each layer replaces an ``nn.Linear`` or ``nn.Embedding`` and keeps only this rank's slice of
-its weight, as an ordinary ``nn.Parameter`` carrying ``tp_split`` (a
-:class:`~shardtrain.parallel.SplitSpec`), so that ZeRO can flatten it like any other
+its weight, as an ordinary ``nn.Parameter`` whose layout record (:func:`shardtrain.layout.layout_of`)
+holds its :class:`~shardtrain.parallel.SplitSpec`, so that ZeRO can flatten it like any other
 parameter and checkpoints can rebuild the full value. Communication happens in the forward
 and backward passes only, through the autograd functions of ``_tp_autograd``:
 
@@ -188,7 +188,7 @@ class RowParallelLinear(nn.Module):
 
     Args:
         weight: this rank's shard of the weight, ``[out, in / N]``.
-        bias: the full bias (replicated, no ``tp_split``), or None.
+        bias: the full bias (replicated, not split), or None.
         group: the tensor-parallel group.
         spec: how the full weight is split (``dim`` 1).
 

@@ -2,9 +2,10 @@
 
 The model's names are its ``state_dict`` names (parameters and persistent buffers), taken
 with ``keep_vars=True`` so that nothing is gathered or copied: a ZeRO-3 parameter answers
-with itself and its full shape in ``ds_shape``; a tensor-parallel slice (``tp_split``) is
-matched against the unsplit tensor the file holds. A tensor the model holds under several names
-(tied weights: an embedding shared with the output layer) is one :class:`Target` with all
+with itself, and its layout record (:func:`shardtrain.layout.layout_of`) gives its full
+shape; a tensor-parallel slice is matched against the unsplit tensor the file holds. A tensor
+the model holds under several names (tied weights: an embedding shared with the output layer)
+is one :class:`Target` with all
 its names; it loads once, from the first of its names the file holds, and the others are
 neither missing nor unexpected (``save_pretrained`` writes a tied weight once).
 
@@ -18,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..layout import layout_of
 from ._files import WeightFiles
 
 
@@ -32,13 +34,8 @@ class Target:
     @property
     def full_shape(self) -> Tuple[int, ...]:
         """The shape the file holds: the unsplit tensor of a tensor-parallel slice
-        (``tp_split``), the whole of a ZeRO-3 partitioned one."""
-        shape = getattr(self.tensor, "ds_shape", None)
-        shape = list(self.tensor.shape if shape is None else shape)
-        spec = getattr(self.tensor, "tp_split", None)
-        if spec is not None:
-            shape[spec.dim] = spec.full_size
-        return tuple(shape)
+        (``layout_of(t).tp``), the whole of a ZeRO-3 partitioned one."""
+        return layout_of(self.tensor).full_shape
 
 
 @dataclass

@@ -2,11 +2,11 @@
 
 * A ZeRO-3 partitioned parameter (an engine at stage 3, or a model built under
   ``zero.Init``): the rank keeps elements ``[lo, hi)`` of the flattened tensor
-  (:func:`shardtrain.zero._shards.shard_range`). It reads the rows that hold them, which
-  reach past the shard by less than one row at each end, and writes its shard
-  (``ds_tensor``); the full tensor never exists on the rank.
-* A tensor-parallel slice (``tp_split``, on a mesh): the rank reads the unsplit tensor (one
-  tensor at a time), keeps its slice (``SplitSpec.shard`` over the parameter's
+  (``layout_of(p).shard``). It reads the rows that hold them, which reach past the shard by
+  less than one row at each end, and writes its shard (:func:`shardtrain.zero.values.write_shard`);
+  the full tensor never exists on the rank.
+* A tensor-parallel slice (``layout_of(p).tp``, on a mesh): the rank reads the unsplit
+  tensor (one tensor at a time), keeps its slice (``SplitSpec.shard`` over the layout's
   ``tp_group``) and writes it as above: whole, or at stage 3 its shard of the slice.
 * Everything else (parameters at stages 0-2, the small ones stage 3 keeps whole, buffers, a
   plain model): the rank keeps the whole tensor and reads it whole. It is written in place,
@@ -20,8 +20,9 @@ from typing import List, Tuple
 
 import torch
 
-from ..zero._params import ZeroParamStatus, gather_one, is_partitioned
-from ..zero._shards import shard_range
+from ..layout import layout_of
+from ..zero import values
+from ..zero.values import is_partitioned
 from ._files import WeightFiles
 from ._match import Target
 
@@ -37,9 +38,9 @@ def covering_rows(lo: int, hi: int, shape: Tuple[int, ...]) -> Tuple[int, int, i
 @torch.no_grad()
 def load_target(target: Target, files: WeightFiles) -> None:
     """Reads what this rank keeps of ``target`` and writes it there."""
-    spec = getattr(target.tensor, "tp_split", None)
-    if spec is not None:
-        _load_slice(target.tensor, spec, files.read(target.source).view(target.full_shape))
+    layout = layout_of(target.tensor)
+    if layout.tp is not None:
+        _load_slice(target.tensor, files.read(target.source).view(target.full_shape))
     elif is_partitioned(target.tensor):
         _load_shard(target.tensor, target.source, files)
     else:
@@ -47,39 +48,29 @@ def load_target(target: Target, files: WeightFiles) -> None:
         target.tensor.copy_(values.view(target.tensor.shape))
 
 
-def _load_slice(p: torch.nn.Parameter, spec, full: torch.Tensor) -> None:
+def _load_slice(p: torch.nn.Parameter, full: torch.Tensor) -> None:
     """This rank's tensor-parallel slice of the unsplit ``full``, written whole or, at stage 3,
     as this rank's shard of it."""
-    group = p.tp_group
-    local = spec.shard(full, group.rank(), group.size()).reshape(-1)
-    if not is_partitioned(p):
-        p.copy_(local.view(p.shape))
-        return
-    zero = p.ds_process_group
-    lo, hi = shard_range(p.ds_numel, zero.size(), zero.rank())
-    if hi > lo:
-        p.ds_tensor[: hi - lo].copy_(local[lo:hi])
+    layout = layout_of(p)
+    group = layout.tp_group
+    values.write_whole(p, layout.tp.shard(full, group.rank(), group.size()))
 
 
 def _load_shard(p: torch.nn.Parameter, name: str, files: WeightFiles) -> None:
-    group = p.ds_process_group
-    lo, hi = shard_range(p.ds_numel, group.size(), group.rank())
+    lo, hi = layout_of(p).shard
     if hi <= lo:
         return  # a tensor with fewer elements than ranks leaves this one nothing
     shape = files.tensors[name].shape
     if not shape:  # a single number: nothing to slice
-        p.ds_tensor[:1].copy_(files.read(name).view(1))
+        values.write_shard(p, files.read(name).view(1))
         return
     r0, r1, start = covering_rows(lo, hi, shape)
     rows = files.read(name, (r0, r1)).reshape(-1)
-    p.ds_tensor[: hi - lo].copy_(rows[start: start + hi - lo])
+    values.write_shard(p, rows[start: start + hi - lo])
 
 
 def regather(targets: List[Target]) -> None:
     """Partitioned parameters that were gathered while their shards were written (inside a
     ``GatheredParameters`` block, say) are gathered again, so their full value is the new
     one (a collective: every rank has the same ones gathered)."""
-    for t in targets:
-        p = t.tensor
-        if is_partitioned(p) and p.ds_status == ZeroParamStatus.AVAILABLE:
-            gather_one(p)
+    values.regather(t.tensor for t in targets)

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import accelerator
+from ..layout import layout_of
 from ..memory import format_bytes
 from ..autotune.budget import OutOfMemoryError
 from ..memory import bytes_per_param, estimate_model_states
@@ -180,11 +181,11 @@ def predicted_model_states(engine: EngineFace) -> Tuple[int, str]:
                         bool(cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads))
 
     def numel(p: torch.nn.Parameter) -> int:
-        return int(getattr(p, "ds_numel", p.numel()))
+        return layout_of(p).local_numel
 
     trainable = sum(numel(p) for p in params if p.requires_grad)
     frozen = sum(numel(p) for p in params if not p.requires_grad)
-    persistent = sum(numel(p) for p in params if getattr(p, "ds_persist", False))
+    persistent = sum(numel(p) for p in params if layout_of(p).persistent)
     total = estimate_model_states(trainable, frozen, persistent, engine.mesh.zero.size(),
                                   engine.zero_optimization_stage(), b)["total"]
     how = (f"--dtype {dtype} --optimizer {optimizer}: p = {b.p}, g = {b.g}, K = {b.k} bytes "

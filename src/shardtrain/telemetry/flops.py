@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import accelerator
+from ..layout import layout_of
 
 __all__ = ["FlopsProfiler", "FlopsProfile", "ModuleCost", "peak_flops", "PEAK_TFLOPS_ENV"]
 
@@ -219,7 +220,7 @@ class FlopsProfiler:
         for name, m in self.module.named_modules():
             modules.append(ModuleCost(
                 name=name, depth=0 if not name else name.count(".") + 1,
-                params=sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters()),
+                params=sum(layout_of(p).local_numel for p in m.parameters()),
                 forward_flops=fwd.get(name, 0), backward_flops=bwd.get(name, 0),
                 forward_latency_s=latency.get(name, 0.0)))
         fwd_total = self._forward.get("Global", 0)

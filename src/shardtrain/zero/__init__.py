@@ -3,7 +3,9 @@
 Public: :class:`Init` (build a model already partitioned, for stage 3),
 :class:`GatheredParameters` (gather partitioned parameters for a ``with`` block),
 :class:`ZeroParamStatus`, and the leaf-module marks of :mod:`shardtrain.zero.leaf`
-(``set_z3_leaf_modules`` and friends: modules stage 3 gathers whole).
+(``set_z3_leaf_modules`` and friends: modules stage 3 gathers whole), and
+:mod:`shardtrain.zero.values`: how other rooms read and write a partitioned parameter's
+values (where it lives is :func:`shardtrain.layout.layout_of`'s record).
 
 The engine's machinery is :mod:`shardtrain.zero.strategy`: one :class:`~.strategy.Strategy`
 per engine, assembled per stage from private parts (a gradient reducer, an optimizer view,
@@ -12,6 +14,7 @@ functions of ``_collectives``.
 """
 from ._groups import GATHERING
 from ._params import GatheredParameters, ZeroParamStatus
+from . import values  # noqa: F401  (shardtrain.zero.values, public)
 from .init import Init
 from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                    set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)

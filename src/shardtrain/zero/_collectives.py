@@ -85,7 +85,7 @@ class NormGroups(NamedTuple):
 
     #: Each rank holds distinct slices, over this group (None: every rank holds them all).
     data: Optional[Group] = None
-    #: Gradients of ``tp_split`` parameters are slices over this group (None: no tensor
+    #: Gradients of tensor-parallel split parameters are slices over this group (None: no tensor
     #: parallelism); the others are the same on each of its ranks.
     tensor: Optional[Group] = None
 

@@ -24,7 +24,7 @@ from . import leaf
 from ._params import (ZeroParamStatus, adopt, is_partitioned, mark_available, materialize,
                       partition, release)
 from ._shards import ShardLayout, full_numel
-from ..layout import place
+from ..layout import layout_of, place
 
 RELEASED, INFLIGHT, AVAILABLE = "released", "inflight", "available"
 #: The attribute an error raised while gathering a group carries: the group's module name.
@@ -48,7 +48,7 @@ class ParamGroup:
         self.params = params
         self.group = group
         self.name = name
-        self.layout = ShardLayout([p.ds_numel for p in params], group.size(), group.rank())
+        self.layout = ShardLayout([layout_of(p).local_numel for p in params], group.size(), group.rank())
         first = params[0].ds_tensor
         self.device = first.device  # where the full parameters are used
         self.offload = offload
@@ -62,7 +62,7 @@ class ParamGroup:
             p.ds_tensor = region  # the shard now lives in the group's flat buffer
             p.ds_group = self
             place(p, unit=name)
-        self.numel = sum(p.ds_numel for p in params)
+        self.numel = sum(layout_of(p).local_numel for p in params)
         self.trainable = {id(p) for p in params if p.requires_grad}
         self.status = RELEASED
         self.owner: Any = None  # the schedule that gathers it (reads outside forward ask it)

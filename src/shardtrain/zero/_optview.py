@@ -132,7 +132,7 @@ class OptimizerView:
 
     def split_flags(self, grads: Sequence[Optional[torch.Tensor]]) -> List[bool]:
         """For each gradient :meth:`load_grads` returns for ``grads``: whether its parameter
-        is a tensor-parallel slice (``tp_split``)."""
+        is a tensor-parallel slice (``layout_of(p).tp``)."""
         return [_is_tensor_parallel_slice(p) for p, tensor, grad in
                 zip(self.params, self.tensors, grads) if tensor is not None and grad is not None]
 
@@ -173,7 +173,7 @@ class OptimizerView:
 
 def _is_tensor_parallel_slice(p: torch.nn.Parameter) -> bool:
     """A parameter each tensor-parallel rank holds a different slice of: split by AutoTP
-    (``tp_split``) or marked by Megatron-style layers."""
+    (``layout_of(p).tp``) or marked by Megatron-style layers."""
     return layout_of(p).tp is not None or \
         bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
 

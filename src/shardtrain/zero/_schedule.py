@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import comm
+from ..layout import layout_of
 from . import _access
 from ._groups import AVAILABLE, RELEASED, ParamGroup, Units
 
@@ -71,7 +72,7 @@ class GatherSchedule:
         for g in units.groups:
             g.owner = self
         for p in module.parameters():
-            if getattr(p, "ds_persist", False):
+            if layout_of(p).persistent:
                 p.ds_owner = self  # kept whole: GatheredParameters' writes reach masters here
         self._install(module)
 

@@ -56,7 +56,7 @@ class ReducedGrads:
     Attributes:
         tensors: the gradient of each tensor the optimizer updates on this rank (those of
             parameters with a gradient), attached to it as ``.grad``.
-        split: for each of ``tensors``: whether it is a tensor-parallel slice (``tp_split``),
+        split: for each of ``tensors``: whether it is a tensor-parallel slice (``layout_of(p).tp``),
             whose square adds up over the tensor-parallel group in the global norm.
         unused: the trainable parameters no rank produced a gradient for (the same on every
             rank: it comes from the reduced used-flags).
@@ -151,7 +151,7 @@ class Strategy:
         view: what the optimizer holds of each parameter.
         group: the data-parallel group (ranks that hold the same parameters).
         tp: the tensor-parallel group, whose ranks hold different slices of the parameters
-            that carry ``tp_split`` (None: no tensor parallelism).
+            split by tensor parallelism (None: no tensor parallelism).
         gatherer: all-gathers updated slices after the step (None at stage 0).
         schedule: gathers and releases partitioned parameters (stage 3 only).
     """
@@ -234,7 +234,7 @@ class Strategy:
 
     def _norm_groups(self) -> coll.NormGroups:
         """Where the parts of the whole gradient live: sharded slices over the data-parallel
-        group (stages 1-3), ``tp_split`` parameters' slices over the tensor-parallel one."""
+        group (stages 1-3), split parameters' slices over the tensor-parallel one."""
         return coll.NormGroups(self._group if self.stage > 0 else None, self._tp)
 
     def after_step(self) -> None:

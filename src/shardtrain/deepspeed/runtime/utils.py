@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ...log import logger
-from ...parallel import is_tp_split
+from ...layout import is_tp_split
 from .. import comm as dist
 from ..accelerator import get_accelerator
 
@@ -37,7 +37,7 @@ def see_memory_usage(message: str, force: bool = False) -> None:
 
 
 def is_model_parallel_parameter(p: torch.Tensor) -> bool:
-    """Whether ``p`` holds one model-parallel rank's slice: split by AutoTP (``tp_split``) or
+    """Whether ``p`` holds one model-parallel rank's slice: split by AutoTP (its layout has a tensor-parallel split) or
     marked ``model_parallel`` / ``tensor_model_parallel`` as Megatron-style layers do."""
     return is_tp_split(p) or bool(getattr(p, "model_parallel", False)
                                   or getattr(p, "tensor_model_parallel", False))

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 
 from ... import Engine, comm
+from ...layout import layout_of
+from ...zero.values import is_partitioned
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
@@ -71,7 +73,7 @@ def _accumulated(engine: Engine, slot) -> torch.Tensor:
 
 
 def _full(engine: Engine, slot, param, kind: str, key: Optional[str] = None) -> torch.Tensor:
-    shape = getattr(param, "ds_shape", param.shape)
+    shape = layout_of(param).local_shape
     if kind == "grad" and not _averaged(engine):
         return _accumulated(engine, slot).clone().reshape(shape)  # whole on each rank already
     local = _local(engine, slot, kind, key)
@@ -120,7 +122,7 @@ def _set_full(param, value: torch.Tensor, kind: str, key: Optional[str] = None) 
     if flat.numel() != slot.numel:
         raise ValueError(f"the value has {flat.numel()} elements, the parameter {slot.numel}.")
     _write_local(engine, slot, kind, flat[slot.lo:slot.hi].to(engine.device), key)
-    if kind == "param" and not hasattr(param, "ds_id"):
+    if kind == "param" and not is_partitioned(param):
         with torch.no_grad():  # a whole module weight on every rank: all of it, not one slice
             param.data.copy_(flat.view_as(param).to(param.device, param.dtype))
 

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from ....zero import GatheredParameters, Init, ZeroParamStatus
+from ....zero.values import is_partitioned
 from ...accelerator import get_accelerator
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "zero_wrapper_for_fp_tensor_constructor",
@@ -48,8 +49,8 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.
 
 
 def is_zero_param(parameter) -> bool:
-    """True for a parameter partitioned by ZeRO-3 (it has ``ds_id``)."""
-    return hasattr(parameter, "ds_id")
+    """True for a parameter partitioned by ZeRO-3."""
+    return is_partitioned(parameter)
 
 
 def _check_external(module, parameter, what: str) -> None:
