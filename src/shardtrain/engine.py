@@ -970,8 +970,9 @@ def _apply_logging_keys(config: ShardConfig) -> None:
     if config.log_level:
         logger.setLevel(config.log_level)
     world, local = comm.get_world_size(), comm.get_local_world_size()
+    # Once per process: TRL builds a reference model's engine beside the trained one's.
     for note in situational_notes(config, nodes=-(-world // max(local, 1))):
-        log_dist(note, ranks=[0], level=logging.WARNING)
+        log_dist_once(note, ranks=[0], level=logging.WARNING)
     if config.vocabulary_size is not None and config.vocabulary_size % 8:
         log_dist_once(f"vocabulary_size {config.vocabulary_size} is not a multiple of 8: "
                       "padding it to one makes matrix products faster on tensor cores.")

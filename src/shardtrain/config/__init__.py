@@ -29,6 +29,8 @@ This package is the public face; its modules are private and each holds one idea
 * ``_root``: :class:`ShardConfig`, which runs the whole-config steps once every block is valid:
   ``_batch`` (the batch triple), ``_checks`` (cross-block rules, :func:`situational_notes`) and
   ``_planned`` (the planned-feature gate);
+* ``_dotted``: dotted top-level keys (``"zero_optimization.reduce_bucket_size"``, as TRL writes
+  them) read as the nested keys they name, before the root checks its keys;
 * ``_load``: :func:`load_config`, from a dict, a JSON/hjson file or base64 JSON, and
   :func:`read_config_file`, a file's settings unvalidated;
 * ``_errors``: pydantic's validation errors rewritten as one :class:`ConfigError`;

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, List
 
 import torch
 
+from ._dotted import dotted_keys
 from ._model import ConfigError
 from ._values import _show
 
@@ -73,9 +74,15 @@ def _check_nonfinite(cfg: "ShardConfig") -> None:
 
 def situational_notes(cfg: "ShardConfig", nodes: int) -> List[str]:
     """Keys that are valid but change nothing in this configuration, as DeepSpeed accepts
-    them: one warning line each, saying why. Raises ConfigError for the combinations that
-    cannot work here (node-local checkpoints across machines)."""
+    them, and dotted top-level keys read as nested ones: one warning line each, saying why.
+    Raises ConfigError for the combinations that cannot work here (node-local checkpoints
+    across machines)."""
     zero, notes = cfg.zero_optimization, []
+    dotted = dotted_keys(cfg.raw)
+    if dotted:
+        notes.append(f"The top-level keys {', '.join(map(repr, dotted))} are read as the nested keys they name "
+                     "(TRL's prepare_deepspeed writes them so; DeepSpeed ignores dotted top-level keys). A "
+                     "fractional value of an integer key is read as its integer part.")
     if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none" and zero.stage == 0:
         notes.append("zero_optimization.offload_optimizer has no effect at ZeRO stage 0: there are no "
                      "sharded optimizer states to move to host memory (DeepSpeed ignores it too); set "

@@ -49,12 +49,17 @@ class _ConfigModel(BaseModel):
     def _check_keys(cls, data: Any) -> Any:
         if not isinstance(data, Mapping):
             return data  # pydantic reports the type error with the key path
-        data = dict(data)
+        data = cls._unfold(dict(data))
         cls._reject_removed(data)
         cls._reject_unknown(data)
         data = cls._handle_auto(data)
         cls._reject_double_names(data)
         return cls._translate(data)
+
+    @classmethod
+    def _unfold(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        """Hook for the root, which reads dotted top-level keys as the nested keys they name."""
+        return data
 
     @classmethod
     def _reject_removed(cls, data: Dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from ._checkpoint import CheckpointConfig
 from ._checks import _check_combinations
 from ._execution import ActivationCheckpointingConfig, CompileConfig
 from ._diagnostics import DiagnosticsConfig
+from ._dotted import unfold_dotted
 from ._mesh import data_parallel_world, tensor_parallel_size
 from ._model import ConfigError, _ConfigModel
 from ._monitoring import (
@@ -143,6 +144,10 @@ class ShardConfig(_ConfigModel):
         if isinstance(data, Mapping):
             cfg._raw = copy.deepcopy(dict(data))
         return cfg
+
+    @classmethod
+    def _unfold(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return unfold_dotted(cls, data)
 
     @classmethod
     def _translate(cls, data: Dict[str, Any]) -> Dict[str, Any]:
