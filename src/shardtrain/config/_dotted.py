@@ -66,7 +66,9 @@ def _place(root: type, out: Dict[str, Any], key: str, value: Any) -> None:
         if not _same(block[name], value):
             nested = f"{path}.{name}"
             raise ConfigError(f"The top-level key {key!r} is {_show(value)} but {nested} is {_show(block[name])}: "
-                              f"both set the same key; keep one of them.")
+                              f"both set the same key; keep one of them. (TRL's prepare_deepspeed adds this key for "
+                              f"the reference, reward and teacher models at ZeRO-3: set {nested} to \"auto\" or "
+                              f"remove it to let the dotted value apply.)")
         return
     if name is not None:
         del block[name]  # "auto": the dotted key gives the value
