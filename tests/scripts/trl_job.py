@@ -93,7 +93,7 @@ def trainer_for(run: str, a: argparse.Namespace, out: str):
     micro = a.micro * (2 if a.no_deepspeed else 1)  # one process takes both ranks' share
     common = dict(output_dir=out, use_cpu=True, per_device_train_batch_size=micro,
                   gradient_accumulation_steps=a.gas, max_steps=a.steps, save_steps=a.save_steps,
-                  logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", bf16=False,
+                  logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", bf16=a.bf16,
                   report_to=[], disable_tqdm=True, seed=0, data_seed=0, dataloader_drop_last=True,
                   train_sampling_strategy="sequential", save_only_model=False,
                   deepspeed=None if a.no_deepspeed else ds_config(a.stage))
@@ -161,6 +161,7 @@ def main() -> None:
     p.add_argument("--gas", type=int, default=2)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="TRL's default precision (the tests run fp32)")
     p.add_argument("--build", action="store_true", help="only write the tiny pretrained model to --pretrained")
     a = p.parse_args()
     if a.build:
