@@ -46,8 +46,12 @@ def loss_fn(model, tokens, target):
     return (model(tokens) - target).pow(2).mean()
 
 
-def config(stage: int) -> Dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
+def config(stage: int, accum: int = ACCUM, bf16: bool = False) -> Dict[str, Any]:
+    # bf16: gradients reduced and accumulated in fp32, so that stages 0 and 2 sum alike
+    fp32_grads = {"communication_data_type": "fp32",
+                  "data_types": {"grad_accum_dtype": "fp32"}} if bf16 else {}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum,
+            "bf16": {"enabled": bf16}, **fp32_grads,
             "gradient_clipping": CLIP,
             "optimizer": {"type": "Muon", "params": {
                 "muon_lr": MUON_LR, "adam_lr": ADAM_LR, "momentum": MOMENTUM,
@@ -105,19 +109,20 @@ def reference(data, steps: int) -> List[Dict[str, Any]]:
 
 # -- the engine on 2 ranks -------------------------------------------------------------------
 
-def train(engine, data, rank: int) -> List[float]:
-    losses = []
+def train(engine, data, rank: int, world: int = WORLD) -> List[float]:
+    """Each step's global batch, cut into micro-batches over ``world`` ranks."""
+    losses, accum = [], ACCUM * WORLD // world
     for tokens, target in data:
         total = 0.0
-        for k in range(ACCUM):
-            lo = (k * WORLD + rank) * MICRO
+        for k in range(accum):
+            lo = (k * world + rank) * MICRO
             loss = loss_fn(engine, tokens[lo:lo + MICRO], target[lo:lo + MICRO])
             engine.backward(loss)
             engine.step()
             total += float(loss)
-        summed = torch.tensor([total / ACCUM])
+        summed = torch.tensor([total / accum])
         comm.all_reduce(summed)
-        losses.append(float(summed) / WORLD)
+        losses.append(float(summed) / world)
     return losses
 
 
@@ -157,7 +162,31 @@ def check_resume(rank: int, data, directory: str) -> Dict[str, Any]:
         train(other, data[STEPS:], rank)
         out[stage] = max_diff(full_params(other), want)
         other.destroy()
-    return out
+    return {"diffs": out, "want": want}
+
+
+def resume_alone(rank: int, world_size: int, directory: str) -> Dict[str, torch.Tensor]:
+    """The stage-2 checkpoint of 2 ranks resumed on 1 rank (stage 1), trained as before."""
+    data = batches()
+    engine, _, _, _ = shardtrain.initialize(
+        model=build(), config=config(1, accum=ACCUM * WORLD // world_size))
+    engine.load_checkpoint(directory, tag="t")
+    train(engine, data[STEPS:], rank, world_size)
+    got = full_params(engine)
+    engine.destroy()
+    return got
+
+
+def check_bf16(rank: int, data) -> float:
+    """bf16 parameters with fp32 masters: stage 2's update is stage 0's (the same gradients,
+    reduced in fp32, in; the same fp32 Muon step on the masters)."""
+    params = []
+    for stage in (0, 2):
+        engine, _, _, _ = shardtrain.initialize(model=build(), config=config(stage, bf16=True))
+        train(engine, data[:STEPS], rank)
+        params.append({n: p.float() for n, p in full_params(engine).items()})
+        engine.destroy()
+    return max_diff(params[0], params[1])
 
 
 def run_all(rank: int, world_size: int) -> Dict[str, Any]:
@@ -168,4 +197,6 @@ def run_all(rank: int, world_size: int) -> Dict[str, Any]:
         out[stage] = check_stage(stage, rank, data, ref)
     shared = comm.broadcast_object(tempfile.mkdtemp(prefix="muon-ckpt-") if rank == 0 else None)
     out["resume"] = check_resume(rank, data, shared)
+    out["directory"] = shared
+    out["bf16"] = check_bf16(rank, data)
     return out

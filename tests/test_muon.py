@@ -1,6 +1,7 @@
 """Muon at ZeRO stages 0-3 on 2 ranks matches a single-process Muon + AdamW on the same global
 batch (fp32, with gradient clipping and accumulation); its parameter split; a stage-2
-checkpoint resumes exactly at stage 2 and at stage 0 (cases_muon.py)."""
+checkpoint resumes exactly at stage 2 and at stage 0 on 2 ranks, and on 1 rank; bf16
+parameters with fp32 masters step alike at stages 0 and 2 (cases_muon.py)."""
 from __future__ import annotations
 
 import pytest
@@ -35,5 +36,17 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(runs, stage):
 
 def test_stage2_checkpoint_resumes_exactly(runs):
     for rank in range(WORLD):
-        for stage, diff in runs[rank]["resume"].items():
+        for stage, diff in runs[rank]["resume"]["diffs"].items():
             assert diff < 1e-6, (rank, stage, diff)
+
+
+def test_stage2_checkpoint_resumes_on_one_rank(runs):
+    # the momentum slices of 2 ranks, re-cut for one: training goes on as on 2 ranks
+    alone = run_ranks("cases_muon:resume_alone", 1, timeout=120, directory=runs[0]["directory"])[0]
+    want = runs[0]["resume"]["want"]
+    assert max(float((alone[n] - want[n]).abs().max()) for n in want) < 1e-5
+
+
+def test_bf16_parameters_step_the_same_at_stages_0_and_2(runs):
+    for rank in range(WORLD):
+        assert runs[rank]["bf16"] < 1e-5, runs[rank]["bf16"]
