@@ -189,6 +189,16 @@ def check_bf16(rank: int, data) -> float:
     return max_diff(params[0], params[1])
 
 
+def check_offload_refused() -> str:
+    cfg = config(2)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    try:
+        shardtrain.initialize(model=build(), config=cfg)
+    except NotImplementedError as error:
+        return str(error)
+    return "accepted"
+
+
 def run_all(rank: int, world_size: int) -> Dict[str, Any]:
     data = batches()
     ref = reference(data, STEPS)
@@ -199,4 +209,5 @@ def run_all(rank: int, world_size: int) -> Dict[str, Any]:
     out["resume"] = check_resume(rank, data, shared)
     out["directory"] = shared
     out["bf16"] = check_bf16(rank, data)
+    out["offload"] = check_offload_refused()
     return out

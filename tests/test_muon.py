@@ -50,3 +50,7 @@ def test_stage2_checkpoint_resumes_on_one_rank(runs):
 def test_bf16_parameters_step_the_same_at_stages_0_and_2(runs):
     for rank in range(WORLD):
         assert runs[rank]["bf16"] < 1e-5, runs[rank]["bf16"]
+
+
+def test_cpu_optimizer_offload_is_refused_by_name(runs):
+    assert "offload_optimizer" in runs[0]["offload"] and "muon" in runs[0]["offload"]

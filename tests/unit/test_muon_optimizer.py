@@ -110,3 +110,12 @@ def test_adam_half_is_torch_adamw():
         ours.step()
         theirs.step()
     assert torch.allclose(a, b, atol=1e-7)
+
+
+def test_a_weight_without_gradient_is_left_alone():
+    w, v = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2, 3))
+    opt = MuonWithAuxAdam([{"params": [w, v], "use_muon": True, "weight_decay": 0.1}])
+    v.grad = torch.randn(2, 3)
+    opt.step()
+    assert torch.equal(w.detach(), torch.ones(3, 2)) and w not in opt.state
+    assert not torch.equal(v.detach(), torch.ones(2, 3))

@@ -154,11 +154,14 @@ class MuonWithAuxAdam(Optimizer):
 
     def _muon_step(self, owners: Mapping[int, Dict[str, Any]]) -> None:
         matrices = self._muon_matrices()
-        blended = [self._blend(m.tensor, owners[id(m.tensor)]) if m.tensor is not None else None
-                   for m in matrices]
+        # A weight without a gradient (no rank used it) is left alone, as AdamW leaves it; its
+        # place in the gather stays (zeros), so every rank issues the same collective.
+        stepped = [m.tensor is not None and m.tensor.grad is not None for m in matrices]
+        blended = [self._blend(m.tensor, owners[id(m.tensor)]) if go else None
+                   for m, go in zip(matrices, stepped)]
         wholes = self._whole_updates(matrices, blended)
-        for m, whole in zip(matrices, wholes):
-            if m.tensor is None:
+        for m, whole, go in zip(matrices, wholes, stepped):
+            if not go:
                 continue
             group = owners[id(m.tensor)]
             ortho = newton_schulz(whole.view(m.shape[0], -1)).reshape(-1)[m.lo:m.hi]
@@ -167,9 +170,7 @@ class MuonWithAuxAdam(Optimizer):
 
     def _blend(self, p: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
         """Advances the (elementwise) momentum; returns the Nesterov blend, in fp32."""
-        # A parameter without a gradient still steps (as a zero gradient), as DeepSpeed does:
-        # every rank must take part in the gather whatever its slice received.
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grad = p.grad
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -180,7 +181,7 @@ class MuonWithAuxAdam(Optimizer):
     def _whole_updates(self, matrices: List[_Matrix],
                        blended: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Each matrix's whole blended update (flat): gathered over the data-parallel group
-        when the optimizer holds slices; None for the matrices this rank holds none of."""
+        when the optimizer holds slices."""
         if self._group is None or self._group.size() == 1:
             return [None if u is None else u.reshape(-1) for u in blended]
         world = self._group.size()
@@ -196,7 +197,7 @@ class MuonWithAuxAdam(Optimizer):
         rows = flat.view(world, send.numel())
         out, offset = [], 0
         for m, c in zip(matrices, chunks):
-            out.append(None if m.tensor is None else rows[:, offset:offset + c].reshape(-1)[:m.numel])
+            out.append(rows[:, offset:offset + c].reshape(-1)[:m.numel])
             offset += c
         return out
 
