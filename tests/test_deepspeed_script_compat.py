@@ -234,8 +234,9 @@ API: List[Api] = [
         "`\"adam\"`, and every other module-level constant of DeepSpeed's `runtime/config.py` "
         "(`ADAMW_OPTIMIZER`, `DEEPSPEED_OPTIMIZERS`, `TORCH_ADAM_PARAM`, `ADAM_W_MODE`, ...) and, "
         "re-exported as DeepSpeed does, of `runtime/constants.py`, with DeepSpeed's values; as "
-        "optimizer types, `adam`, `adamw` and `adagrad` are built and `lamb`, `lion`, `muon`, "
-        "`muadam`, `muadamw`, `musgd` refused by name"),
+        "optimizer types, `adam`, `adamw`, `adagrad` and `muon` (ZeRO stages 0-3, "
+        "docs/optimizers.md) are built and `lamb`, `lion`, `muadam`, `muadamw`, `musgd` refused "
+        "by name"),
     Api("runtime.constants.GRADIENT_CLIPPING", "supported",
         "every config key name and default of DeepSpeed's `runtime/constants.py` (`TRAIN_BATCH_SIZE`, "
         "`FP16_INITIAL_SCALE_POWER_DEFAULT`, `PIPE_REPLICATED`, `ROUTE_TRAIN`, `ValidationMode`, ...), "

@@ -32,7 +32,7 @@ from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .layout import layout_of
 from .memory import count_bytes
-from .optim import build_optimizer, build_scheduler
+from .optim import MuonWithAuxAdam, build_optimizer, build_scheduler
 from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
 from .state import BackwardPass, Phase, StepState, TrainingParts, TrainState, live_engines
@@ -138,11 +138,34 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                             f"parameters, or None; got {type(optimizer).__name__}.")
         elif self.config.optimizer is not None:
             spec = {"type": self.config.optimizer.type, "params": self.config.optimizer.params}
-            built = build_optimizer(spec, params)
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            built = build_optimizer(spec, params, param_names=names)
         else:
             return None
+        muon = {id(p) for g in built.param_groups if g.get("use_muon") for p in g["params"]}
         self._strategy.adopt(built)  # the optimizer updates this rank's (fp32) slices
+        if isinstance(built, MuonWithAuxAdam):
+            self._bind_muon(built, muon)
         return built
+
+    def _bind_muon(self, optimizer: MuonWithAuxAdam, muon: set) -> None:
+        """Muon orthogonalises whole matrices: it learns which slice of each it holds (the
+        same list of matrices on every rank, including those this rank holds none of)."""
+        offload = self.config.zero_optimization.offload_optimizer
+        if offload is not None and offload.device == "cpu":
+            raise NotImplementedError(
+                "Optimizer 'muon' with zero_optimization.offload_optimizer.device 'cpu' is not "
+                "supported; remove offload_optimizer or use AdamW")
+        slots = [s for s in self._strategy.slots() if id(s.param) in muon]
+        split = [s.param for s in slots if layout_of(s.param).tp is not None]
+        if split:
+            raise NotImplementedError(
+                f"Optimizer 'muon' with tensor parallelism: {len(split)} Muon weight(s) are split "
+                "over the tensor-parallel group, and Muon needs each whole matrix; set "
+                "tensor_parallel.autotp_size to 1 or use AdamW")
+        if any(s.sharded for s in slots):
+            optimizer.bind([(s.tensor, s.lo, s.hi, layout_of(s.param).local_shape)
+                            for s in slots], self.mesh.zero)
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):

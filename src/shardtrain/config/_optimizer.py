@@ -31,7 +31,7 @@ class OptimizerConfig(_ConfigModel):
     config_path: ClassVar[str] = "optimizer"
     drops_auto: ClassVar[bool] = False
 
-    type: _Str = Field(description="optimizer name, e.g. AdamW (see the optimizer docs)")
+    type: _Str = Field(description="optimizer name, e.g. AdamW or Muon (docs/optimizers.md)")
     params: Dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the optimizer")
     legacy_fusion: _Bool = Field(False, description="legacy fused fp16 optimizer path")
 

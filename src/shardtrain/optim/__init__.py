@@ -6,6 +6,9 @@ This package turns the ``optimizer`` and ``scheduler`` blocks of a DeepSpeed con
 * :func:`build_optimizer` maps the DeepSpeed optimizer names (``adam``, ``adamw``,
   ``adagrad``; case-insensitive) onto ``torch.optim`` classes with DeepSpeed's
   defaults, and falls back to ``torch.optim.<type>`` for any other name.
+* :class:`MuonWithAuxAdam` is what ``"type": "Muon"`` builds: Muon for the 2-D weights, AdamW
+  for the rest; it takes the whole of each matrix's update even where this rank holds a slice
+  (:meth:`MuonWithAuxAdam.bind`).
 * :class:`WarmupLR`, :class:`WarmupDecayLR`, :class:`WarmupCosineLR`,
   :class:`OneCycle` and :class:`LRRangeTest` reproduce DeepSpeed's schedule
   formulas. They count ``last_batch_iteration`` from -1, write the construction
@@ -15,7 +18,7 @@ This package turns the ``optimizer`` and ``scheduler`` blocks of a DeepSpeed con
   ``torch.optim.lr_scheduler`` class.
 
 This package is the public face; its modules are private and each holds one idea:
-``_spec`` reads a block and checks its ``params`` against the class that receives them (shared
+``_muon`` is Muon; ``_spec`` reads a block and checks its ``params`` against the class that receives them (shared
 by both factories); ``_optimizers`` is the optimizer factory; ``_schedule`` is what every
 schedule shares (the counter, stepping, the state dict); ``_warmup`` and ``_cyclic`` hold the
 schedule formulas; ``_schedulers`` is the scheduler factory.
@@ -32,6 +35,7 @@ Example:
 from __future__ import annotations
 
 from ._cyclic import LRRangeTest, OneCycle
+from ._muon import MuonWithAuxAdam, uses_muon
 from ._optimizers import DS_OPTIMIZER_NAMES, build_optimizer
 from ._schedulers import DS_SCHEDULER_NAMES, build_scheduler
 from ._warmup import WarmupCosineLR, WarmupDecayLR, WarmupLR
@@ -44,6 +48,8 @@ __all__ = [
     "DS_SCHEDULER_NAMES",
     "build_optimizer",
     "build_scheduler",
+    "MuonWithAuxAdam",
+    "uses_muon",
     "WarmupLR",
     "WarmupDecayLR",
     "WarmupCosineLR",

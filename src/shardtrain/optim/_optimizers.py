@@ -2,25 +2,27 @@
 
 DeepSpeed's own names (``adam``, ``adamw``, ``adagrad``; any case) map onto torch classes with
 DeepSpeed's defaults, so a config trains with the hyperparameters it was tuned with; any other
-name is a ``torch.optim`` class, matched exactly. The optimizers DeepSpeed ships as kernels
-(``lamb``, ``lion``, ``muon``, ...) are refused by name, with the alternatives, rather than
+name is a ``torch.optim`` class, matched exactly. ``muon`` builds :class:`MuonWithAuxAdam`
+(Muon for 2-D weights, AdamW for the rest; see :mod:`._muon`). The optimizers DeepSpeed ships
+as kernels (``lamb``, ``lion``, ...) are refused by name, with the alternatives, rather than
 replaced by something that steps differently.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.optim import Optimizer
 
+from ._muon import MUON_KEYS, MuonWithAuxAdam, split_param_groups
 from ._spec import _check_kwargs, _check_values, _did_you_mean, _split_spec
 
 __all__ = ["DS_OPTIMIZER_NAMES", "build_optimizer"]
 
 #: Optimizer names matched case-insensitively (as DeepSpeed does).
-DS_OPTIMIZER_NAMES: Tuple[str, ...] = ("adam", "adamw", "lamb", "lion", "adagrad")
+DS_OPTIMIZER_NAMES: Tuple[str, ...] = ("adam", "adamw", "lamb", "lion", "adagrad", "muon")
 #: Names DeepSpeed lower-cases but that shardtrain does not provide.
-_UNAVAILABLE_OPTIMIZERS: Tuple[str, ...] = ("lamb", "lion", "muon", "muadam", "muadamw", "musgd")
+_UNAVAILABLE_OPTIMIZERS: Tuple[str, ...] = ("lamb", "lion", "muadam", "muadamw", "musgd")
 
 _DS_ADAM_DEFAULTS: Dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 _ADAM_EXTRA_KEYS: Tuple[str, ...] = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none")
@@ -97,13 +99,57 @@ def _unknown_optimizer(name: str, torch_classes: Mapping[str, type]) -> ValueErr
         f"name (case-sensitive): {theirs}.{hint}")
 
 
-def build_optimizer(spec: Mapping[str, Any], params: ParamsLike) -> Optimizer:
+def _build_muon(kwargs: Dict[str, Any], params: List[Any],
+                param_names: Optional[Mapping[int, str]]) -> Optimizer:
+    """muon: DeepSpeed's split of the parameters into Muon and AdamW halves, checked keys."""
+    unknown = sorted(set(kwargs) - set(MUON_KEYS))
+    if unknown:
+        raise ValueError(f"Optimizer 'muon': unknown parameter(s) {unknown}; it takes "
+                         f"{list(MUON_KEYS)}.{_did_you_mean(unknown[0], MUON_KEYS)}")
+    if kwargs.pop("per_head_muon", False):
+        raise NotImplementedError("Optimizer 'muon': per_head_muon=true (orthogonalising each "
+                                  "attention head separately) is not supported; remove it to "
+                                  "orthogonalise each whole weight")
+    _check_muon_values(kwargs)
+    adam_w_mode = bool(kwargs.pop("adam_w_mode", True))
+    if isinstance(kwargs.get("betas"), list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    groups = split_param_groups(params, param_names or {}, kwargs)
+    return MuonWithAuxAdam(groups, adam_w_mode=adam_w_mode)
+
+
+def _check_muon_values(kwargs: Mapping[str, Any]) -> None:
+    """Each value of a Muon block in its range, or a ValueError naming it."""
+    for key in ("lr", "muon_lr", "adam_lr", "weight_decay", "eps"):
+        if key in kwargs and not (_is_real(kwargs[key]) and kwargs[key] >= 0):
+            raise ValueError(f"Optimizer 'muon': {key}={kwargs[key]!r} must be a number >= 0")
+    if "momentum" in kwargs and not (_is_real(kwargs["momentum"]) and 0 <= kwargs["momentum"] < 1):
+        raise ValueError(f"Optimizer 'muon': momentum={kwargs['momentum']!r} must be a number "
+                         "in [0, 1), e.g. 0.95")
+    betas = kwargs.get("betas", (0.9, 0.95))
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2
+            and all(_is_real(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"Optimizer 'muon': betas={betas!r} must be two numbers in [0, 1), "
+                         "e.g. [0.9, 0.95]")
+    if kwargs.get("ns_method", "gram") not in ("gram", "standard"):
+        raise ValueError(f"Optimizer 'muon': ns_method={kwargs['ns_method']!r} must be 'gram' "
+                         "or 'standard'")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def build_optimizer(spec: Mapping[str, Any], params: ParamsLike,
+                    param_names: Optional[Mapping[int, str]] = None) -> Optimizer:
     """Build a torch optimizer from a DeepSpeed ``optimizer`` config block.
 
     ``adam``/``adamw`` (any case) give ``torch.optim.AdamW`` (decoupled weight decay) unless
     ``adam_w_mode`` is false for ``adam``, which gives ``torch.optim.Adam``; DeepSpeed's defaults
     (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0) apply unless ``torch_adam`` is true.
-    ``adagrad`` gives ``torch.optim.Adagrad``; any other name is ``torch.optim.<type>``.
+    ``adagrad`` gives ``torch.optim.Adagrad``; ``muon`` gives :class:`MuonWithAuxAdam`, which
+    splits the parameters by shape and by ``param_names`` (``id(param)`` to its name in the
+    model: ``embed``/``lm_head`` go to AdamW); any other name is ``torch.optim.<type>``.
 
     Example:
         >>> import torch
@@ -116,6 +162,8 @@ def build_optimizer(spec: Mapping[str, Any], params: ParamsLike) -> Optimizer:
     groups = _prepare_params(params)
     if name in ("adam", "adamw"):
         return _build_adam(name, kwargs, groups)
+    if name == "muon":
+        return _build_muon(kwargs, groups, param_names)
     if name == "adagrad":
         return _instantiate(torch.optim.Adagrad, name, groups, kwargs)
     torch_classes = _torch_optimizer_classes()
