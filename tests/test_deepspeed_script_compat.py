@@ -257,11 +257,20 @@ API: List[Api] = [
         "pipeline parallelism (`PipelineEngine`, `PipelineModule`, `topology.ProcessTopology`): "
         "importing it raises ModuleNotFoundError naming it, with ZeRO stage 3 or tensor "
         "parallelism instead; also `deepspeed.pipe`"),
-    Api("runtime.sequence_parallel", "not provided",
-        "DeepSpeed's Ulysses classes (`ulysses_sp.UlyssesSPAttentionHF`, "
-        "`UlyssesSPDataLoaderAdapter`): importing it raises ModuleNotFoundError pointing to "
+    Api("runtime.sequence_parallel.ulysses_sp.TiledMLP", "supported",
+        "is `shardtrain.parallel.TiledMLP`: the MLP tile by tile along the sequence, only its "
+        "input saved for backward; the parameters' gradient arrives once (no `ds_grad_is_ready`)"),
+    Api("runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute", "supported",
+        "is `shardtrain.parallel.sequence_tiled_compute` (also `SequenceTiledCompute.apply`); "
+        "parameters get gradients when listed in `compute_params`"),
+    Api("runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss", "supported",
+        "is `shardtrain.parallel.TiledFusedLogitsLoss`; `tiled_logits_loss` gives the exact mean "
+        "over valid labels ([parallelism.md](parallelism.md))"),
+    Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "refused",
+        "DeepSpeed's Ulysses classes (also `UlyssesSPDataLoaderAdapter`): construction and "
+        "`register_with_transformers` raise NotImplementedError pointing to "
         "`sequence_parallel_size` in the config, which runs Ulysses "
-        "([parallelism.md](parallelism.md))"),
+        "([parallelism.md](parallelism.md)); `parallel_state_sp` raises ModuleNotFoundError"),
     Api("sequence.layer.DistributedAttention", "not provided",
         "the same ModuleNotFoundError: Ulysses comes from `sequence_parallel_size`"),
     Api("runtime.tensor_parallel", "not provided",

@@ -41,8 +41,8 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.runtime.pipe": ("pipeline parallelism (PipelineEngine, PipelineModule, "
                                "ProcessTopology)", FIT_A_LARGE_MODEL),
     "deepspeed.moe": _MOE,
-    "deepspeed.runtime.sequence_parallel": ("DeepSpeed's Ulysses classes (UlyssesSPAttentionHF, "
-                                            "UlyssesSPDataLoaderAdapter, parallel_state_sp)", _SP),
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": (
+        "DeepSpeed's sequence-parallel group registry (parallel_state_sp)", _SP),
     "deepspeed.sequence": ("DeepSpeed's sequence-parallel layers (DistributedAttention, FPDT)", _SP),
     "deepspeed.runtime.tensor_parallel": ("DeepSpeed's AutoTP internals (TpTrainingManager, "
                                           "its config objects)", _TP),
