@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -57,7 +58,9 @@ def client_job(script: str, out: Path, args: List[str], timeout: float = 240) ->
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(WORLD), str(SCRIPTS / script), "--out", str(out), *args]
-    env = dict(job_env(), PYTHONPATH=str(SCRIPTS), **OFFLINE)
+    # the caller's PYTHONPATH stays behind the scripts: a source tree named there is the one tested
+    path = os.pathsep.join(p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(job_env(), PYTHONPATH=path, **OFFLINE)
     returncode, output = run_job(cmd, env, out, timeout=timeout)
     assert returncode == 0, f"exit {returncode}:\n{output[-8000:]}"
     got = json.loads((out / "result.json").read_text())

@@ -266,11 +266,18 @@ API: List[Api] = [
     Api("runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss", "supported",
         "is `shardtrain.parallel.TiledFusedLogitsLoss`; `tiled_logits_loss` gives the exact mean "
         "over valid labels ([parallelism.md](parallelism.md))"),
-    Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "refused",
-        "DeepSpeed's Ulysses classes (also `UlyssesSPDataLoaderAdapter`): construction and "
-        "`register_with_transformers` raise NotImplementedError pointing to "
-        "`sequence_parallel_size` in the config, which runs Ulysses "
-        "([parallelism.md](parallelism.md)); `parallel_state_sp` raises ModuleNotFoundError"),
+    Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers",
+        "differs", "returns the `mpu` of a mesh with a sequence-parallel dimension (`MeshMPU`); "
+        "`initialize(mpu=...)` then runs shardtrain's Ulysses, whose loss is the mean over the "
+        "whole sequences (the same on every rank); `sdpa` or `eager` attention, packed rows "
+        "refused; constructing the class raises NotImplementedError"),
+    Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "supported",
+        "is `shardtrain.parallel.SequenceParallelLoader`: the group's batches in turn, each as "
+        "this rank's slice with `shift_labels` (and `labels` set to them, so `model(**batch).loss` "
+        "is the loss); `position_ids` are made when absent. Accelerate's "
+        "`ParallelismConfig(sp_backend=\"deepspeed\")` runs on them "
+        "([switching_from_deepspeed.md](switching_from_deepspeed.md)); `parallel_state_sp` "
+        "raises ModuleNotFoundError"),
     Api("sequence.layer.DistributedAttention", "not provided",
         "the same ModuleNotFoundError: Ulysses comes from `sequence_parallel_size`"),
     Api("runtime.tensor_parallel", "not provided",

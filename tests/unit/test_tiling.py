@@ -142,7 +142,16 @@ def test_alias_module_exposes_deepspeed_names():
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     assert ulysses_sp.TiledMLP is TiledMLP and ulysses_sp.sequence_tiled_compute is sequence_tiled_compute
-    with pytest.raises(NotImplementedError, match="sequence_parallel_size"):
-        ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None)
-    with pytest.raises(NotImplementedError, match="enable_ulysses"):
-        ulysses_sp.UlyssesSPDataLoaderAdapter(None, sp_rank=0, sp_group=None, sp_world_size=2, device="cpu")
+    register = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers
+    assert register(model_name_or_path=None, core_attn_implementation="sdpa", sequence_parallel_size=1,
+                    micro_batch_size=1) is None
+    with pytest.raises(NotImplementedError, match="loaded Hugging Face model"):
+        register(model_name_or_path="org/name", core_attn_implementation="sdpa",
+                 sequence_parallel_size=2, micro_batch_size=1)
+    model = nn.Linear(1, 1)
+    model.config = object()
+    with pytest.raises(ValueError, match="sdpa or eager"):
+        register(model_name_or_path=model, core_attn_implementation="flash_attention_2",
+                 sequence_parallel_size=2, micro_batch_size=1)
+    with pytest.raises(NotImplementedError, match="register_with_transformers"):
+        ulysses_sp.UlyssesSPAttentionHF()

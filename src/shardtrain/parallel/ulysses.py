@@ -45,7 +45,7 @@ from ._seq_autograd import all_reduce_sum, all_to_all
 from ._ulysses_hf import make_attention
 
 __all__ = ["UlyssesPlan", "enable_ulysses", "seq_to_heads", "heads_to_seq", "shard_sequence",
-           "sequence_parallel_loss", "causal_lm_loss_function"]
+           "SequenceParallelLoader", "sequence_parallel_loss", "causal_lm_loss_function"]
 
 IGNORE_INDEX = -100
 _SUPPORTED = ("sdpa", "eager")
@@ -287,6 +287,42 @@ def shard_sequence(batch: Mapping[str, Any], group: comm.Group, seq_dim: int = 1
         out["labels"] = out["shift_labels"]
     out["use_cache"] = False
     return out
+
+
+class SequenceParallelLoader:
+    """A loader of the ranks' own batches turned into sequence-parallel micro-batches: the S
+    ranks of ``group`` each read a batch from ``loader``; the S batches are exchanged, and
+    every rank yields all S of them in rank order, each as its slice (:func:`shard_sequence`).
+    So the group trains on every rank's samples, one sequence-parallel micro-batch at a time,
+    and ``len()`` is S times the loader's (DeepSpeed's ``UlyssesSPDataLoaderAdapter``).
+
+    The exchange pickles the whole batches (``all_gather_object``, host memory): cheap next to
+    the model's work on the same tokens, but the full sequences of S batches pass through
+    each rank's host memory at once.
+
+    Args:
+        loader: any iterable of Hugging Face batches (dicts of ``[batch, seq]`` tensors).
+        group: the sequence-parallel group, ``Mesh.sp``.
+        device: where the slices go (default: where the batch was).
+
+    Example:
+        >>> for batch in SequenceParallelLoader(loader, mesh.sp):
+        ...     engine.backward(engine(**batch).loss)
+    """
+
+    def __init__(self, loader: Any, group: comm.Group, device: Any = None):
+        self.loader, self.group, self.device = loader, group, device
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.group.size()
+
+    def __iter__(self):
+        for batch in self.loader:
+            mine = {k: v.cpu() if torch.is_tensor(v) else v for k, v in dict(batch).items()}
+            for each in comm.all_gather_object(mine, self.group):
+                if self.device is not None:
+                    each = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in each.items()}
+                yield shard_sequence(each, self.group)
 
 
 def _sequence_length(batch: Dict[str, Any], seq_dim: int, size: int) -> int:
