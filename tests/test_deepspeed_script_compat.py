@@ -269,8 +269,8 @@ API: List[Api] = [
     Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers",
         "differs", "returns the `mpu` of a mesh with a sequence-parallel dimension (`MeshMPU`); "
         "`initialize(mpu=...)` then runs shardtrain's Ulysses, whose loss is the mean over the "
-        "whole sequences (the same on every rank); `sdpa` or `eager` attention, packed rows "
-        "refused; constructing the class raises NotImplementedError"),
+        "whole sequences (the same on every rank); `sdpa` or `eager` attention, packed rows attend "
+        "within their documents; constructing the class raises NotImplementedError"),
     Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "supported",
         "is `shardtrain.parallel.SequenceParallelLoader`: the group's batches in turn, each as "
         "this rank's slice with `shift_labels` (and `labels` set to them, so `model(**batch).loss` "

@@ -239,7 +239,10 @@ def shard_sequence(batch: Mapping[str, Any], group: comm.Group, seq_dim: int = 1
 
     * ``input_ids`` (or ``inputs_embeds``): sliced.
     * ``position_ids``: sliced; made as ``0 .. L-1`` when absent, so each rank's rotary
-      embeddings see its true positions. Packed rows (positions that restart) are refused.
+      embeddings see its true positions. Packed rows (positions that restart within a row,
+      several documents in one) are kept so: the attention of :func:`enable_ulysses` gathers
+      the positions and lets each document attend only to itself, as Transformers does on
+      one process.
     * ``labels``: shifted over the whole sequence *before* slicing (the last token of slice r
       predicts the first of slice r + 1; the last position gets ``ignore_index``), sliced,
       and returned as ``shift_labels``. ``labels`` is set to the same tensor only so that the
@@ -267,7 +270,7 @@ def shard_sequence(batch: Mapping[str, Any], group: comm.Group, seq_dim: int = 1
     Raises:
         ValueError: a length not divisible by S, or padding that is not at the end of rows
             with ``ignore_index`` labels.
-        NotImplementedError: packed sequences, a mask that is not ``[batch, seq]``.
+        NotImplementedError: a mask that is not ``[batch, seq]``.
 
     Example:
         >>> out = model(**shard_sequence({"input_ids": ids, "labels": ids}, mesh.sp))
@@ -347,18 +350,13 @@ def _device(batch: Dict[str, Any]) -> torch.device:
 
 def _positions(given: Optional[torch.Tensor], length: int, seq_dim: int,
                device: torch.device) -> torch.Tensor:
-    """``0 .. length-1`` along ``seq_dim`` when absent (what the model would use); given
-    ones must not restart: a packed row's documents would attend to each other."""
+    """``0 .. length-1`` along ``seq_dim`` when absent (what the model would use); given ones
+    are kept as they are: where they restart within a row (packed documents), the attention
+    reads them to keep each document to itself."""
     if given is None:
         shape = [1, 1]
         shape[seq_dim] = length
         return torch.arange(length, device=device).view(shape)
-    if length > 1 and not bool((given.diff(dim=seq_dim) == 1).all()):
-        raise NotImplementedError(
-            "position_ids restart within a row (packed sequences): Ulysses attention is causal "
-            "over each whole row with no document mask, so packed documents would attend to "
-            "each other. Give each sequence its own row, padded at the end with labels "
-            f"{IGNORE_INDEX}.")
     return given
 
 
