@@ -78,6 +78,9 @@ def test_accelerate_long_sequence_path_trains_like_one_process(tmp_path):
     got = cl.client_job("accelerate_sp_job.py", tmp_path, [])
     assert got["num_processes"] == 2 and got["mpu"] == "MeshMPU(Mesh(dp=1, sp=2, tp=1))"
     assert got["shapes"] == [[job.MICRO, job.SEQ // 2]] * job.BATCHES  # each rank: its half
+    # accelerator.deepspeed_ulysses_dl_adapter reads deepspeed.utils.groups: rank 0 of 2
+    assert got["trainer_route"] == {"len": 2 * job.BATCHES, "shape": [job.MICRO, job.SEQ // 2],
+                                    "sp": [2, 0]}
     model = job.tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     losses = []

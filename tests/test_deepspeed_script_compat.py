@@ -323,10 +323,12 @@ API: List[Api] = [
         "writes `pytorch_model.bin` or `model.safetensors` (sharded with an index past "
         "`max_shard_size`) from a shardtrain checkpoint"),
     Api("utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", "differs", "from a shardtrain checkpoint"),
-    Api("utils.groups", "not provided",
-        "DeepSpeed's global registry of model-, expert- and sequence-parallel groups: importing it "
-        "raises ModuleNotFoundError pointing to the engine's groups, `engine.mpu` "
-        "(`get_{model,data,sequence}_parallel_{group,rank,world_size}()`) and `engine.mesh`"),
+    Api("utils.groups._get_sequence_parallel_group", "differs",
+        "and `_get_{sequence,sequence_data,data}_parallel_{group,world_size,rank}`, "
+        "`_get_model_parallel_world_size`, `get_tensor_model_parallel_{world_size,rank}`: read "
+        "from the mesh `UlyssesSPAttentionHF.register_with_transformers` built (its `mpu`), else "
+        "the only live engine's; a group of this rank alone raises KeyError, as DeepSpeed without "
+        "one; expert-parallel groups are not provided (`engine.mpu` has the same answers)"),
     Api("checkpoint.utils.clone_tensors_for_torch_save", "supported", ""),
     Api("checkpoint.constants.OPTIMIZER_STATE_DICT", "supported",
         "and every other key and file name of DeepSpeed's `checkpoint/constants.py` (`FP32_FLAT_GROUPS`, "

@@ -67,11 +67,19 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    # the Hugging Face Trainer's route: a loader wrapped after prepare, through deepspeed.utils.groups
+    from deepspeed.utils import groups
+    adapted = accelerator.deepspeed_ulysses_dl_adapter(
+        torch.utils.data.DataLoader(rows, batch_size=MICRO, shuffle=False), model)
+    first = next(iter(adapted))
+    trainer_route = {"len": len(adapted), "shape": list(first["input_ids"].shape),
+                     "sp": [groups._get_sequence_parallel_world_size(), groups._get_sequence_parallel_rank()]}
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         with open(os.path.join(a.out, "result.json"), "w") as f:
             json.dump({"losses": losses, "shapes": shapes, "num_processes": accelerator.num_processes,
                        "mpu": repr(model.mpu) if hasattr(model, "mpu") else None,
+                       "trainer_route": trainer_route,
                        "weights": {n: w.tolist() for n, w in weights.items()}}, f)
     accelerator.wait_for_everyone()
 

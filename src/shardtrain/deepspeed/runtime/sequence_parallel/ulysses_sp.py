@@ -68,7 +68,9 @@ class UlyssesSPAttentionHF(unsupported_class(
                              "(Accelerate: DeepSpeedSequenceParallelConfig(sp_attn_implementation='sdpa')).")
         if disable_in_eval:  # Accelerate asks for it; the wrapped attention is the same in eval
             pass
-        return MeshMPU(comm.init_mesh(sp=sequence_parallel_size))
+        from ...utils import groups  # DeepSpeed's global registry reads it from here
+        groups.mpu = MeshMPU(comm.init_mesh(sp=sequence_parallel_size))
+        return groups.mpu
 
 
 class UlyssesSPDataLoaderAdapter(SequenceParallelLoader):
