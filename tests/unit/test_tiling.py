@@ -45,7 +45,8 @@ def _saved_numels(run):
     return out, sizes
 
 
-@pytest.mark.parametrize("shards,shape", [(4, (2, 13, HIDDEN)), (3, (17, HIDDEN)), (1, (1, 6, HIDDEN))])
+@pytest.mark.parametrize("shards,shape", [(4, (2, 13, HIDDEN)), (3, (17, HIDDEN)), (1, (1, 6, HIDDEN)),
+                                          (4, (1, 9, HIDDEN))])  # 9 in 4: torch.chunk gives 3 tiles
 def test_tiled_mlp_is_exact_forward_and_backward(shards, shape):
     torch.manual_seed(0)
     mlp, x = MLP(), torch.randn(*shape, requires_grad=True)
@@ -94,6 +95,14 @@ def test_tiled_logits_loss_is_exact_and_keeps_no_logits(shards):
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     for a, b in zip(_grads([hidden, head.weight]), ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_tiled_loss_without_grad_is_the_value():
+    head, hidden = nn.Linear(HIDDEN, VOCAB, bias=False), torch.randn(1, 9, HIDDEN)
+    labels = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        got = tiled_logits_loss(head, hidden, labels, 4)
+        torch.testing.assert_close(got, F.cross_entropy(head(hidden)[0], labels[0]))
 
 
 def test_deepspeed_style_fused_loss_and_sequence_tiled_compute():

@@ -89,7 +89,7 @@ def _add(total: List[Optional[torch.Tensor]], grads: Sequence[Optional[torch.Ten
 
 
 def _assemble(parts: List[List[Optional[torch.Tensor]]], inputs: Sequence[torch.Tensor],
-              dim: int) -> List[Optional[torch.Tensor]]:
+              shards: int, dim: int) -> List[Optional[torch.Tensor]]:
     """Each input's gradient from its tiles' (zeros where a tile gave none)."""
     whole = []
     for i, x in enumerate(inputs):
@@ -97,7 +97,7 @@ def _assemble(parts: List[List[Optional[torch.Tensor]]], inputs: Sequence[torch.
         if all(g is None for g in tiles):
             whole.append(None)
             continue
-        ref = [torch.chunk(x, len(parts), dim=dim)[k] for k in range(len(parts))]
+        ref = torch.chunk(x, shards, dim=dim)
         whole.append(torch.cat([torch.zeros_like(r) if g is None else g for g, r in zip(tiles, ref)],
                                dim=dim))
     return whole
@@ -130,7 +130,7 @@ class _TiledMap(torch.autograd.Function):
             leaf_grads, p_grads = _tile_grads(out, g, leaves, params)
             parts.append(leaf_grads)
             _add(param_grads, p_grads)
-        return (None, None, None, None, *_assemble(parts, inputs, ctx.dim), *param_grads)
+        return (None, None, None, None, *_assemble(parts, inputs, ctx.shards, ctx.dim), *param_grads)
 
 
 class _TiledLoss(torch.autograd.Function):
@@ -154,7 +154,7 @@ class _TiledLoss(torch.autograd.Function):
             _add(param_grads, p_grads)
             total = out.detach() if total is None else total + out.detach()
         # Only the gradients are kept: the tiles' graphs (their logits) are gone already.
-        ctx.grads = _assemble(parts, inputs, dim) + param_grads
+        ctx.grads = _assemble(parts, inputs, shards, dim) + param_grads
         return total
 
     @staticmethod
@@ -200,9 +200,10 @@ def tiled_loss(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], 
         >>> loss = tiled_loss(lambda h, y: F.cross_entropy(head(h).flatten(0, 1), y.flatten(),
         ...                   reduction="sum") / n, [hidden, labels], 8, params=[head.weight])
     """
-    inputs = list(inputs)
-    return _TiledLoss.apply(fn, _check_shards(shards), dim, len(inputs), *inputs,
-                            *_params(params, None))
+    inputs, shards = list(inputs), _check_shards(shards)
+    if not torch.is_grad_enabled():  # evaluation: the tiles' values only
+        return sum(fn(*tile) for tile in _tiles(inputs, shards, dim))
+    return _TiledLoss.apply(fn, shards, dim, len(inputs), *inputs, *_params(params, None))
 
 
 def tiled_logits_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor,
