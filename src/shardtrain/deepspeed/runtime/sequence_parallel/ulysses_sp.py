@@ -66,8 +66,10 @@ class UlyssesSPAttentionHF(unsupported_class(
             raise ValueError(f"core_attn_implementation={core_attn_implementation!r}: shardtrain's "
                              f"Ulysses runs the model's {' or '.join(_ATTENTION)} attention; choose one "
                              "(Accelerate: DeepSpeedSequenceParallelConfig(sp_attn_implementation='sdpa')).")
-        if disable_in_eval:  # Accelerate asks for it; the wrapped attention is the same in eval
-            pass
+        # The lengths and batch size are read from each batch. disable_in_eval (Accelerate
+        # always passes True) is not honoured: the attention stays sequence-parallel in eval,
+        # so evaluation batches must be sliced too (through the adapter), as in training.
+        del micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval, max_length
         from ...utils import groups  # DeepSpeed's global registry reads it from here
         groups.mpu = MeshMPU(comm.init_mesh(sp=sequence_parallel_size))
         return groups.mpu
