@@ -140,7 +140,6 @@ def _errors(group: comm.Group) -> Dict[str, str]:
     padded = right_padded(ids)
     enabled = llama()
     enable_ulysses(enabled, group)
-    packed = torch.cat([torch.arange(10), torch.arange(6)]).expand(BATCH, -1)
     mask_4d = torch.zeros(BATCH, 1, SEQ // 2, SEQ // 2)
     return {
         "heads": _message(lambda: enable_ulysses(llama(heads=3, kv_heads=3, hidden=48), group)),
@@ -152,8 +151,6 @@ def _errors(group: comm.Group) -> Dict[str, str]:
                                                           "attention_mask": left}, group)),
         "padding_labels": _message(lambda: shard_sequence(
             {**padded, "labels": ids}, group)),
-        "packed": _message(lambda: shard_sequence({"input_ids": ids, "position_ids": packed},
-                                                  group)),
         "implementation": _message(lambda: enable_ulysses(_flex(llama()), group)),
         "twice": _message(lambda: enable_ulysses(enabled, group)),
         "unshifted": _message(lambda: causal_lm_loss_function(group)(
@@ -189,7 +186,27 @@ def sp2(rank: int, world_size: int) -> Dict[str, Any]:
                                          group)
         cases[f"{impl}_replicated_kv"] = _case(lambda impl=impl: llama(impl, kv_heads=1), ids,
                                                uneven_labels(ids), group)
+        # the reference: Transformers' own block-causal mask for packed rows, on one process
+        cases[f"{impl}_packed"] = lambda r, w, impl=impl: _packed(impl, ids, group)
     return run_cases(cases, rank, world_size)
+
+
+def packed_positions() -> torch.Tensor:
+    """Rows of several documents: positions restart inside rank 1's slice (row 0), and twice,
+    once inside rank 0's slice and once at the slices' boundary (row 1)."""
+    return torch.stack([torch.cat([torch.arange(10), torch.arange(6)]),
+                        torch.cat([torch.arange(5), torch.arange(3), torch.arange(8)])])
+
+
+def _packed(impl: str, ids: torch.Tensor, group: comm.Group) -> Dict[str, Any]:
+    """Packed rows against Transformers' own handling of them on one process (it detects the
+    restarts when there is no cache and no attention mask, and masks each document off)."""
+    batch = {"input_ids": ids, "labels": uneven_labels(ids), "position_ids": packed_positions()}
+    out = compare(lambda: llama(impl), batch, group, reference_batch={**batch, "use_cache": False})
+    with torch.no_grad():  # one mask over the whole row: what packing must not give
+        out["unmasked_loss"] = llama(impl)(**batch, use_cache=False,
+                                           attention_mask=torch.ones_like(ids)).loss.item()
+    return out
 
 
 def _case(build, ids, labels, group):

@@ -65,3 +65,33 @@ def test_accelerate_save_state_and_load_state_resume_exactly(runs, stage):
     for k in range(SAVE + 1, cl.STEPS + 1):
         assert resumed["losses"][str(k)] == got[stage]["losses"][str(k)], k
     assert resumed["weights"] == got[stage]["weights"]
+
+
+def test_accelerate_long_sequence_path_trains_like_one_process(tmp_path):
+    """``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``: Accelerate calls the alias's
+    ``UlyssesSPAttentionHF.register_with_transformers`` (a mesh with a sequence-parallel
+    dimension), hands its ``mpu`` to ``initialize`` and wraps the loader in
+    ``UlyssesSPDataLoaderAdapter``; both ranks train every batch, each on half of every
+    sequence, and the losses and weights are those of one process on whole sequences."""
+    cl.require_alias()
+    import accelerate_sp_job as job  # tests/scripts, on the path through _clients
+    got = cl.client_job("accelerate_sp_job.py", tmp_path, [])
+    assert got["num_processes"] == 2 and got["mpu"] == "MeshMPU(Mesh(dp=1, sp=2, tp=1))"
+    assert got["shapes"] == [[job.MICRO, job.SEQ // 2]] * job.BATCHES  # each rank: its half
+    # accelerator.deepspeed_ulysses_dl_adapter reads deepspeed.utils.groups: rank 0 of 2
+    assert got["trainer_route"] == {"len": 2 * job.BATCHES, "shape": [job.MICRO, job.SEQ // 2],
+                                    "sp": [2, 0]}
+    model = job.tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    losses = []
+    for batch in job.batches():
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert got["losses"] == pytest.approx(losses, abs=cl.ATOL), (got["losses"], losses)
+    bad = [n for n, w in model.state_dict().items()
+           if not cl.close(torch.tensor(got["weights"][n]), w)]
+    assert not bad and len(got["weights"]) == len(model.state_dict()), bad

@@ -62,8 +62,8 @@ def test_what_is_not_provided_says_so_where_it_is_used():
     with pytest.raises(ModuleNotFoundError, match="pipeline parallelism.*ZeRO stage 3") as err:
         import deepspeed.pipe  # noqa: F401
     assert err.value.name == "deepspeed.pipe"
-    with pytest.raises(ImportError, match="deepspeed.utils.groups.*model-, expert- and sequence"):
-        from deepspeed.utils import groups  # noqa: F401
+    with pytest.raises(ImportError, match="parallel_state_sp.*sequence-parallel group registry"):
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="does not provide it"):
         import deepspeed.not_a_module  # noqa: F401
     # importing a stand-in works (libraries import eagerly); using it names the feature
@@ -92,10 +92,11 @@ PARALLEL_MODULES = {
     "deepspeed.module_inject.layers": None,
     "deepspeed.module_inject.auto_tp": r"kernel injection.*tensor_parallel.autotp_size",
     "deepspeed.runtime.tensor_parallel": r"AutoTP internals.*tensor_parallel.autotp_size",
-    "deepspeed.runtime.sequence_parallel": r"Ulysses classes.*sequence_parallel_size",
-    "deepspeed.runtime.sequence_parallel.ulysses_sp": r"UlyssesSPAttentionHF.*sequence_parallel_size",
+    "deepspeed.runtime.sequence_parallel": None,
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": None,
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": r"parallel_state_sp.*sequence_parallel_size",
     "deepspeed.sequence.layer": r"DistributedAttention.*sequence_parallel_size",
-    "deepspeed.utils.groups": r"parallel groups. Instead: the engine's groups: engine.mpu",
+    "deepspeed.utils.groups": None,
     "deepspeed.compile": r"DeepCompile. Instead: engine.compile\(\)",
     "deepspeed.accelerator.real_accelerator": None,
     "deepspeed.checkpoint.constants": None,

@@ -134,3 +134,19 @@ def test_diagnostics_benchmark_smoke_run(tmp_path):
         assert row["ratio_to_trail_off"]["trail off"] == 1.0
         assert row["check_ms"] > 0 and 0 < row["trail_share"] < row["check_share"]
     assert "the step check alone takes" in proc.stdout
+
+
+def test_tiling_benchmark_smoke_run(tmp_path):
+    """bench_tiling.py on a short sequence: the tiled MLP and loss peak lower than untiled,
+    with the same input gradient."""
+    out = tmp_path / "tiling.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_tiling.py"), "--seq", "1024", "--tiles", "4",
+         "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["what"], r["tiles"]) for r in rows] == [
+        ("mlp", 1), ("mlp", 4), ("logits+loss", 1), ("logits+loss", 4)]
+    for r in rows:
+        if r["tiles"] > 1:
+            assert r["ratio"] < 0.8 and r["max_abs_diff"] < 1e-5, r

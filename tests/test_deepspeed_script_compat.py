@@ -258,11 +258,27 @@ API: List[Api] = [
         "pipeline parallelism (`PipelineEngine`, `PipelineModule`, `topology.ProcessTopology`): "
         "importing it raises ModuleNotFoundError naming it, with ZeRO stage 3 or tensor "
         "parallelism instead; also `deepspeed.pipe`"),
-    Api("runtime.sequence_parallel", "not provided",
-        "DeepSpeed's Ulysses classes (`ulysses_sp.UlyssesSPAttentionHF`, "
-        "`UlyssesSPDataLoaderAdapter`): importing it raises ModuleNotFoundError pointing to "
-        "`sequence_parallel_size` in the config, which runs Ulysses "
-        "([parallelism.md](parallelism.md))"),
+    Api("runtime.sequence_parallel.ulysses_sp.TiledMLP", "supported",
+        "is `shardtrain.parallel.TiledMLP`: the MLP tile by tile along the sequence, only its "
+        "input saved for backward; the parameters' gradient arrives once (no `ds_grad_is_ready`)"),
+    Api("runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute", "supported",
+        "is `shardtrain.parallel.sequence_tiled_compute` (also `SequenceTiledCompute.apply`); "
+        "parameters get gradients when listed in `compute_params`"),
+    Api("runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss", "supported",
+        "is `shardtrain.parallel.TiledFusedLogitsLoss`; `tiled_logits_loss` gives the exact mean "
+        "over valid labels ([parallelism.md](parallelism.md))"),
+    Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers",
+        "differs", "returns the `mpu` of a mesh with a sequence-parallel dimension (`MeshMPU`); "
+        "`initialize(mpu=...)` then runs shardtrain's Ulysses, whose loss is the mean over the "
+        "whole sequences (the same on every rank); `sdpa` or `eager` attention, packed rows attend "
+        "within their documents; constructing the class raises NotImplementedError"),
+    Api("runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "supported",
+        "is `shardtrain.parallel.SequenceParallelLoader`: the group's batches in turn, each as "
+        "this rank's slice with `shift_labels` (and `labels` set to them, so `model(**batch).loss` "
+        "is the loss); `position_ids` are made when absent. Accelerate's "
+        "`ParallelismConfig(sp_backend=\"deepspeed\")` runs on them "
+        "([switching_from_deepspeed.md](switching_from_deepspeed.md)); `parallel_state_sp` "
+        "raises ModuleNotFoundError"),
     Api("sequence.layer.DistributedAttention", "not provided",
         "the same ModuleNotFoundError: Ulysses comes from `sequence_parallel_size`"),
     Api("runtime.tensor_parallel", "not provided",
@@ -308,10 +324,12 @@ API: List[Api] = [
         "writes `pytorch_model.bin` or `model.safetensors` (sharded with an index past "
         "`max_shard_size`) from a shardtrain checkpoint"),
     Api("utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", "differs", "from a shardtrain checkpoint"),
-    Api("utils.groups", "not provided",
-        "DeepSpeed's global registry of model-, expert- and sequence-parallel groups: importing it "
-        "raises ModuleNotFoundError pointing to the engine's groups, `engine.mpu` "
-        "(`get_{model,data,sequence}_parallel_{group,rank,world_size}()`) and `engine.mesh`"),
+    Api("utils.groups._get_sequence_parallel_group", "differs",
+        "and `_get_{sequence,sequence_data,data}_parallel_{group,world_size,rank}`, "
+        "`_get_model_parallel_world_size`, `get_tensor_model_parallel_{world_size,rank}`: read "
+        "from the mesh `UlyssesSPAttentionHF.register_with_transformers` built (its `mpu`), else "
+        "the only live engine's; a group of this rank alone raises KeyError, as DeepSpeed without "
+        "one; expert-parallel groups are not provided (`engine.mpu` has the same answers)"),
     Api("checkpoint.utils.clone_tensors_for_torch_save", "supported", ""),
     Api("checkpoint.constants.OPTIMIZER_STATE_DICT", "supported",
         "and every other key and file name of DeepSpeed's `checkpoint/constants.py` (`FP32_FLAT_GROUPS`, "

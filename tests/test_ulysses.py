@@ -9,7 +9,8 @@ from _dist import result, run_ranks
 
 ATOL = 1e-5
 COMPARED = ["sdpa", "eager", "sdpa_ignored", "eager_ignored", "sdpa_replicated_kv",
-            "eager_replicated_kv", "qwen2", "right_padded", "num_items"]
+            "eager_replicated_kv", "qwen2", "right_padded", "num_items", "sdpa_packed",
+            "eager_packed"]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,12 @@ def _assert_matches(got: dict, where) -> None:
 def test_every_rank_gets_the_whole_sequences_loss_and_the_groups_average_gradient(sp2, case):
     for rank in range(2):
         _assert_matches(result(sp2, case, rank), (case, rank))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_rows_attend_within_each_document(sp2, impl):
+    got = result(sp2, f"{impl}_packed", 0)  # exact: test_every_rank_gets_the_whole_sequences_loss
+    assert abs(got["loss"] - got["unmasked_loss"]) > 1e-3  # the documents were kept apart
 
 
 def test_key_value_heads_fewer_than_ranks_are_replicated_and_logged(sp2):
@@ -98,8 +105,6 @@ def test_unsupported_inputs_are_refused_with_the_fix(sp2):
         "ValueError: attention_mask has 7 padded positions whose shifted labels are not -100: "
         "Ulysses attention drops the padding mask, which is exact only when padding adds "
         "nothing to the loss. Set the labels of padding to -100.")
-    assert seen["packed"].startswith(
-        "NotImplementedError: position_ids restart within a row (packed sequences)")
     assert seen["implementation"].startswith(
         "NotImplementedError: Ulysses runs the model's own attention over the whole sequence "
         "with 'sdpa' or 'eager'; this model uses 'flex_attention': load it with "

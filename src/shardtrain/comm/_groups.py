@@ -53,6 +53,12 @@ class Group:
             self._pg = (self.handle or dist.group.WORLD).group_name
         return self._pg
 
+    @classmethod
+    def of(cls, process_group, name: str = "group") -> "Group":
+        """The :class:`Group` of a torch process group a caller holds (the world group:
+        :data:`WORLD`'s kind; None: this rank alone)."""
+        return _wrap(process_group, name)
+
     @property
     def process_group(self):
         """torch's process group, for code that calls ``torch.distributed`` itself (the

@@ -41,15 +41,11 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.runtime.pipe": ("pipeline parallelism (PipelineEngine, PipelineModule, "
                                "ProcessTopology)", FIT_A_LARGE_MODEL),
     "deepspeed.moe": _MOE,
-    "deepspeed.runtime.sequence_parallel": ("DeepSpeed's Ulysses classes (UlyssesSPAttentionHF, "
-                                            "UlyssesSPDataLoaderAdapter, parallel_state_sp)", _SP),
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": (
+        "DeepSpeed's sequence-parallel group registry (parallel_state_sp)", _SP),
     "deepspeed.sequence": ("DeepSpeed's sequence-parallel layers (DistributedAttention, FPDT)", _SP),
     "deepspeed.runtime.tensor_parallel": ("DeepSpeed's AutoTP internals (TpTrainingManager, "
                                           "its config objects)", _TP),
-    "deepspeed.utils.groups": ("DeepSpeed's global registry of model-, expert- and "
-                               "sequence-parallel groups",
-                               "the engine's groups: engine.mpu (get_{model,data,sequence}_"
-                               "parallel_{group,rank,world_size}()) and engine.mesh"),
     "deepspeed.ops.transformer": ("DeepSpeed's fused transformer kernels",
                                   "the model's own layers (torch.nn.functional.scaled_dot_product_attention)"),
     "deepspeed.ops.op_builder": ("compiled DeepSpeed ops", "nothing is compiled: the optimizers "

@@ -11,6 +11,11 @@ Masks: with our name as the configured implementation, Transformers' mask builde
 None (they build masks only for the implementations they know), so causality is ours to
 apply over the whole sequence: ``sdpa`` with no mask is causal by ``is_causal``; ``eager``
 gets the additive causal mask its model's mask builder would have made.
+
+Packed rows (several documents in one row, ``position_ids`` restarting at each): the model
+passes each rank's slice of ``position_ids`` to attention; gathered over the group they give
+every position's document, and attention gets the block-causal mask (a query sees the earlier
+positions of its own document only), as Transformers builds it for packed rows on one process.
 """
 from __future__ import annotations
 
@@ -94,6 +99,46 @@ def _refuse_unsupported(attention_mask: Optional[torch.Tensor], kwargs: Dict[str
             "(e.g. use_sliding_window=False) or train without sequence parallelism.")
 
 
+class _Documents:
+    """The block-causal mask of packed rows, from this rank's slice of ``position_ids``:
+    None when no row restarts its positions (then plain causal attention is exact). Every
+    layer of a forward passes the same ``position_ids`` tensor; the gather and the check
+    (one host synchronisation) run once per forward, on every rank alike."""
+
+    def __init__(self, group: comm.Group):
+        self._group = group
+        self._last: Optional[torch.Tensor] = None
+        self._mask: Optional[torch.Tensor] = None
+
+    def __call__(self, position_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if position_ids is None:
+            return None
+        if position_ids is not self._last:
+            self._last, self._mask = position_ids, self._build(position_ids)
+        return self._mask
+
+    def _build(self, local: torch.Tensor) -> Optional[torch.Tensor]:
+        size = self._group.size()
+        local = local.contiguous()
+        rows = local.shape[0]
+        gathered = torch.empty((size * rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        comm.all_gather(gathered, local, group=self._group)
+        full = torch.cat(list(gathered.view(size, rows, -1).unbind(0)), dim=-1)  # [rows, seq]
+        starts = full.diff(dim=-1) != 1
+        if not bool(starts.any()):
+            return None
+        doc = torch.cat([torch.zeros_like(full[:, :1]), starts.cumsum(-1)], dim=-1)
+        length = full.shape[-1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=full.device).tril()
+        return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [rows, 1, seq, seq]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as eager attention's additive one (0, or the dtype's minimum)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)
+
+
 def _is_causal(module: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
     # The same rule as Transformers' sdpa function: a call's is_causal wins over the module's.
     given = kwargs.get("is_causal")
@@ -109,6 +154,7 @@ def make_attention(group: comm.Group, original: str, kv_replicas: int,
     from transformers import AttentionInterface
     sdpa = AttentionInterface()["sdpa"] if original == "sdpa" else None
     causal_mask = _CausalMask()
+    documents = _Documents(group)
 
     def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -119,7 +165,10 @@ def make_attention(group: comm.Group, original: str, kv_replicas: int,
             value = value.repeat_interleave(kv_replicas, dim=_IN_HEADS)
         q, k, v = (all_to_all(t, group, _IN_HEADS, _IN_SEQ) for t in (query, key, value))
         mask = None
-        if sdpa is None and _is_causal(module, kwargs):
+        packed = documents(kwargs.get("position_ids")) if _is_causal(module, kwargs) else None
+        if packed is not None:
+            mask = packed if sdpa is not None else _additive(packed, q.dtype)
+        elif sdpa is None and _is_causal(module, kwargs):
             mask = causal_mask(q.shape[_IN_SEQ], q.dtype, q.device)
         target = module if kv_replicas == 1 else _LocalGroups(module, local_groups)
         out, _ = (sdpa or _model_eager(module))(target, q, k, v, mask, **kwargs)

@@ -82,6 +82,8 @@ def mesh_from_mpu(mpu: Any) -> comm.Mesh:
     the tensor-parallel one (parameters flagged ``tensor_model_parallel`` or
     ``model_parallel``, as Megatron-style layers mark them, are counted as slices in the
     gradient norm)."""
+    if isinstance(mpu, MeshMPU):  # one of ours: its mesh as it is, sequence parallelism included
+        return mpu.mesh
     missing = [name for name in _NEEDED if not callable(getattr(mpu, name, None))]
     if missing:
         raise TypeError(f"initialize(mpu=...) needs an object with DeepSpeed's "

@@ -45,7 +45,7 @@ from ._seq_autograd import all_reduce_sum, all_to_all
 from ._ulysses_hf import make_attention
 
 __all__ = ["UlyssesPlan", "enable_ulysses", "seq_to_heads", "heads_to_seq", "shard_sequence",
-           "sequence_parallel_loss", "causal_lm_loss_function"]
+           "SequenceParallelLoader", "sequence_parallel_loss", "causal_lm_loss_function"]
 
 IGNORE_INDEX = -100
 _SUPPORTED = ("sdpa", "eager")
@@ -239,7 +239,10 @@ def shard_sequence(batch: Mapping[str, Any], group: comm.Group, seq_dim: int = 1
 
     * ``input_ids`` (or ``inputs_embeds``): sliced.
     * ``position_ids``: sliced; made as ``0 .. L-1`` when absent, so each rank's rotary
-      embeddings see its true positions. Packed rows (positions that restart) are refused.
+      embeddings see its true positions. Packed rows (positions that restart within a row,
+      several documents in one) are kept so: the attention of :func:`enable_ulysses` gathers
+      the positions and lets each document attend only to itself, as Transformers does on
+      one process.
     * ``labels``: shifted over the whole sequence *before* slicing (the last token of slice r
       predicts the first of slice r + 1; the last position gets ``ignore_index``), sliced,
       and returned as ``shift_labels``. ``labels`` is set to the same tensor only so that the
@@ -267,7 +270,7 @@ def shard_sequence(batch: Mapping[str, Any], group: comm.Group, seq_dim: int = 1
     Raises:
         ValueError: a length not divisible by S, or padding that is not at the end of rows
             with ``ignore_index`` labels.
-        NotImplementedError: packed sequences, a mask that is not ``[batch, seq]``.
+        NotImplementedError: a mask that is not ``[batch, seq]``.
 
     Example:
         >>> out = model(**shard_sequence({"input_ids": ids, "labels": ids}, mesh.sp))
@@ -287,6 +290,42 @@ def shard_sequence(batch: Mapping[str, Any], group: comm.Group, seq_dim: int = 1
         out["labels"] = out["shift_labels"]
     out["use_cache"] = False
     return out
+
+
+class SequenceParallelLoader:
+    """A loader of the ranks' own batches turned into sequence-parallel micro-batches: the S
+    ranks of ``group`` each read a batch from ``loader``; the S batches are exchanged, and
+    every rank yields all S of them in rank order, each as its slice (:func:`shard_sequence`).
+    So the group trains on every rank's samples, one sequence-parallel micro-batch at a time,
+    and ``len()`` is S times the loader's (DeepSpeed's ``UlyssesSPDataLoaderAdapter``).
+
+    The exchange pickles the whole batches (``all_gather_object``, host memory): cheap next to
+    the model's work on the same tokens, but the full sequences of S batches pass through
+    each rank's host memory at once.
+
+    Args:
+        loader: any iterable of Hugging Face batches (dicts of ``[batch, seq]`` tensors).
+        group: the sequence-parallel group, ``Mesh.sp``.
+        device: where the slices go (default: where the batch was).
+
+    Example:
+        >>> for batch in SequenceParallelLoader(loader, mesh.sp):
+        ...     engine.backward(engine(**batch).loss)
+    """
+
+    def __init__(self, loader: Any, group: comm.Group, device: Any = None):
+        self.loader, self.group, self.device = loader, group, device
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.group.size()
+
+    def __iter__(self):
+        for batch in self.loader:
+            mine = {k: v.cpu() if torch.is_tensor(v) else v for k, v in dict(batch).items()}
+            for each in comm.all_gather_object(mine, self.group):
+                if self.device is not None:
+                    each = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in each.items()}
+                yield shard_sequence(each, self.group)
 
 
 def _sequence_length(batch: Dict[str, Any], seq_dim: int, size: int) -> int:
@@ -311,18 +350,13 @@ def _device(batch: Dict[str, Any]) -> torch.device:
 
 def _positions(given: Optional[torch.Tensor], length: int, seq_dim: int,
                device: torch.device) -> torch.Tensor:
-    """``0 .. length-1`` along ``seq_dim`` when absent (what the model would use); given
-    ones must not restart: a packed row's documents would attend to each other."""
+    """``0 .. length-1`` along ``seq_dim`` when absent (what the model would use); given ones
+    are kept as they are: where they restart within a row (packed documents), the attention
+    reads them to keep each document to itself."""
     if given is None:
         shape = [1, 1]
         shape[seq_dim] = length
         return torch.arange(length, device=device).view(shape)
-    if length > 1 and not bool((given.diff(dim=seq_dim) == 1).all()):
-        raise NotImplementedError(
-            "position_ids restart within a row (packed sequences): Ulysses attention is causal "
-            "over each whole row with no document mask, so packed documents would attend to "
-            "each other. Give each sequence its own row, padded at the end with labels "
-            f"{IGNORE_INDEX}.")
     return given
 
 

@@ -4,7 +4,7 @@ sharded parameters, gradients and optimizer states (``safe_get_full_*``/``safe_s
 from ...zero.leaf import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                           set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
 from ..compression.helper import recursive_getattr, recursive_setattr
-from . import logging, zero_to_fp32
+from . import groups, logging, zero_to_fp32
 from ._init_on_device import OnDevice
 from ._tensors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                        safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
@@ -12,7 +12,7 @@ from ._tensors import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_fu
                        safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state)
 from .logging import log_dist, log_dist_once, logger, set_log_level_from_string
 
-__all__ = ["logger", "log_dist", "log_dist_once", "set_log_level_from_string", "logging",
+__all__ = ["logger", "log_dist", "log_dist_once", "set_log_level_from_string", "logging", "groups",
            "zero_to_fp32", "OnDevice", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "z3_leaf_module",
            "get_z3_leaf_modules", "recursive_getattr", "recursive_setattr",
