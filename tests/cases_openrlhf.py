@@ -10,7 +10,8 @@ What is reproduced here was read from OpenRLHF 0.11.2's source
   dist_init_required=True)``, then ``engine.compile()`` when ``deepcompile`` is on;
 * ``backward``/``optimizer_step``/``get_grad_norm``: ``engine.backward(loss)``,
   ``engine.step()``, ``engine.get_global_grad_norm()``;
-* ``save_model`` at stage 3: ``engine._consolidated_16bit_state_dict()`` on every rank, then
+* ``save_model``: at stage 3 ``engine._consolidated_16bit_state_dict()`` on every rank, at
+  stages 1-2 ``clone_tensors_for_torch_save(module.state_dict())``, then
   ``save_pretrained(dir, state_dict=...)`` on rank 0;
 * ``save_ckpt``/``load_ckpt``: ``engine.save_checkpoint(dir, tag=, client_state=,
   save_latest=)`` and ``engine.load_checkpoint(dir, tag, load_module_strict=True,
@@ -58,6 +59,14 @@ def train_ds_config(stage: int, deepcompile: bool, world: int) -> Dict[str, Any]
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                       "weight_decay": 0.0}},
             "train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO * world}
+
+
+def partitioned(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The config with every parameter partitioned at stage 3: the "auto" persistence
+    threshold falls back to DeepSpeed's 100000 elements, which would keep every parameter
+    of the small test model whole on each rank."""
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return config
 
 
 def eval_ds_config(stage: int) -> Dict[str, Any]:
@@ -156,17 +165,16 @@ def case_train(stage: int, root: str) -> Callable[[int, int], Dict[str, Any]]:
     save_model; a second engine load_ckpt's and runs the last step."""
     def run(rank: int, world: int) -> Dict[str, Any]:
         from shardtrain import comm
-        engine, _, _ = prepare(train_ds_config(stage, False, world))
+        engine, _, _ = prepare(partitioned(train_ds_config(stage, False, world)))
         out = train_steps(engine, rank, world, range(STEPS - 1))
         ckpt = os.path.join(root, f"ckpt{stage}")
         engine.save_checkpoint(ckpt, tag="global_step2", client_state={"consumed_samples": 4},
                                save_latest=True)
         last = train_steps(engine, rank, world, range(STEPS - 1, STEPS))
         out = {k: out[k] + last[k] for k in out}
-        if stage == 3:
-            out["saved"] = save_model(engine, rank, os.path.join(root, "hf3"))
+        out["saved"] = save_model(engine, rank, stage, os.path.join(root, f"hf{stage}"))
         engine.destroy()
-        resumed, _, _ = prepare(train_ds_config(stage, False, world))
+        resumed, _, _ = prepare(partitioned(train_ds_config(stage, False, world)))
         path, states = resumed.load_checkpoint(ckpt, "global_step2", load_module_strict=True,
                                                load_optimizer_states=True,
                                                load_lr_scheduler_states=True,
@@ -179,10 +187,18 @@ def case_train(stage: int, root: str) -> Callable[[int, int], Dict[str, Any]]:
     return run
 
 
-def save_model(engine, rank: int, out_dir: str) -> bool:
-    """OpenRLHF's ``save_model`` at stage 3 (no tokenizer)."""
-    state = engine._consolidated_16bit_state_dict()
+def save_model(engine, rank: int, stage: int, out_dir: str) -> bool:
+    """OpenRLHF's ``save_model`` (no tokenizer). At stages 1-2 it reads ``state_dict()`` on
+    every rank and again on rank 0 alone (its key check); at stage 3 that rank-0-only read
+    gathers (see docs/zero.md) and is left out here."""
+    if stage == 3:
+        state = engine._consolidated_16bit_state_dict()
+    else:
+        from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+        state = clone_tensors_for_torch_save(engine.module.state_dict())
     if rank == 0:
+        if stage != 3:
+            assert set(engine.module.state_dict()) <= set(state)
         engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         engine.module.config.to_json_file(os.path.join(out_dir, "config.json"))
     return state is not None
@@ -192,15 +208,23 @@ def case_gathered_state_dict(rank: int, world: int) -> Dict[str, Any]:
     """``GatheredParameters`` on every rank, then ``module.state_dict()`` on rank 0 alone:
     the gathered parameters are read without another collective."""
     import deepspeed
-    engine, _, _ = prepare(train_ds_config(3, False, world))
+    engine, _, _ = prepare(partitioned(train_ds_config(3, False, world)))
     params = list(engine.module.parameters())
-    keys: List[str] = []
+    to_fetch = len(z3_params_to_fetch(params))
+    shapes: Dict[str, List[int]] = {}
     with deepspeed.zero.GatheredParameters(params):
         if rank == 0:
-            keys = sorted(engine.module.state_dict())
+            shapes = {k: list(v.shape) for k, v in engine.module.state_dict().items()}
     full = engine.module.state_dict()  # every rank: a collective, as before
     engine.destroy()
-    return {"keys": keys, "full": sorted(full)}
+    return {"shapes": shapes, "full": sorted(full), "to_fetch": to_fetch, "params": len(params)}
+
+
+def z3_params_to_fetch(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    """OpenRLHF's ``_z3_params_to_fetch``: the partitioned parameters not gathered now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return [p for p in params
+            if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
 def case_deepcompile(rank: int, world: int) -> Dict[str, Any]:
@@ -210,7 +234,7 @@ def case_deepcompile(rank: int, world: int) -> Dict[str, Any]:
     records = _Records()
     logger.addHandler(records)
     try:
-        engine, _, _ = prepare(train_ds_config(3, True, world))
+        engine, _, _ = prepare(partitioned(train_ds_config(3, True, world)))
         out: Dict[str, Any] = train_steps(engine, rank, world, range(STEPS))
     finally:
         logger.removeHandler(records)

@@ -49,11 +49,13 @@ def test_load_ckpt_resumes_exactly(run, ref, stage):
         assert got["resumed"]["losses"] == pytest.approx(got["losses"][-1:], abs=ATOL)
 
 
-def test_save_model_writes_what_from_pretrained_loads(run, ref):
+@pytest.mark.parametrize("stage", [3, 1, 2])
+def test_save_model_writes_what_from_pretrained_loads(run, ref, stage):
     root, _ = run
-    assert result(run, "train3", 0)["saved"] and not result(run, "train3", 1)["saved"]
+    saved = [result(run, f"train{stage}", rank)["saved"] for rank in range(WORLD)]
+    assert saved == ([True, False] if stage == 3 else [True, True])
     from transformers import LlamaForCausalLM
-    loaded = LlamaForCausalLM.from_pretrained(root / "hf3")
+    loaded = LlamaForCausalLM.from_pretrained(root / f"hf{stage}")
     state = loaded.state_dict()
     assert set(state) == set(ref["state"])
     for name, value in ref["state"].items():
@@ -61,8 +63,10 @@ def test_save_model_writes_what_from_pretrained_loads(run, ref):
 
 
 def test_state_dict_on_rank_0_alone_inside_gathered_parameters(run, ref):
-    assert result(run, "gathered_state_dict", 0)["keys"] == sorted(ref["state"])
-    assert result(run, "gathered_state_dict", 1)["keys"] == []
+    got = result(run, "gathered_state_dict", 0)
+    assert got["to_fetch"] == got["params"]  # every parameter is partitioned
+    assert got["shapes"] == {k: list(v.shape) for k, v in ref["state"].items()}
+    assert result(run, "gathered_state_dict", 1)["shapes"] == {}
     for rank in range(WORLD):
         assert result(run, "gathered_state_dict", rank)["full"] == sorted(ref["state"])
 
