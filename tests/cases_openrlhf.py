@@ -173,6 +173,12 @@ def case_train(stage: int, root: str) -> Callable[[int, int], Dict[str, Any]]:
         last = train_steps(engine, rank, world, range(STEPS - 1, STEPS))
         out = {k: out[k] + last[k] for k in out}
         out["saved"] = save_model(engine, rank, stage, os.path.join(root, f"hf{stage}"))
+        if stage != 3:  # DeepSpeed's method applies where weights are partitioned only
+            try:
+                engine._consolidated_16bit_state_dict()
+                out["consolidated_refused"] = ""
+            except ValueError as err:
+                out["consolidated_refused"] = str(err)
         engine.destroy()
         resumed, _, _ = prepare(partitioned(train_ds_config(stage, False, world)))
         path, states = resumed.load_checkpoint(ckpt, "global_step2", load_module_strict=True,

@@ -62,6 +62,12 @@ def test_save_model_writes_what_from_pretrained_loads(run, ref, stage):
         torch.testing.assert_close(state[name], value, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_consolidated_state_dict_is_refused_where_weights_are_whole(run, stage):
+    reason = result(run, f"train{stage}", 0)["consolidated_refused"]
+    assert f"at stage {stage}" in reason and "module.state_dict()" in reason
+
+
 def test_state_dict_on_rank_0_alone_inside_gathered_parameters(run, ref):
     got = result(run, "gathered_state_dict", 0)
     assert got["to_fetch"] == got["params"]  # every parameter is partitioned
