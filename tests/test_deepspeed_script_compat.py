@@ -84,6 +84,11 @@ _SUB = {
     "comms_logger": "enabled verbose prof_all debug prof_ops",
     "timers": "throughput",
     "zero_optimization.leaf_module": "classes names name_suffixes",
+    "compile": """deepcompile autoep_non_moe free_activation free_activation_threshold
+        offload_activation offload_activation_pin_memory offload_opt_states double_buffer
+        symmetric_memory debug_log offload_parameters sync_before_reduce sync_after_reduce
+        sync_before_allgather sync_after_allgather keep_int_input_tensors keep_all_input_tensors
+        passes""",
 }
 DEEPSPEED_KEYS: List[str] = _TOP.split() + [f"{block}.{key}" for block, keys in _SUB.items()
                                             for key in keys.split()]
@@ -439,6 +444,9 @@ API: List[Api] = [
         "`stage3_gather_16bit_weights_on_model_save`"),
     Api("Engine._zero3_consolidated_16bit_state_dict", "supported",
         "full weights on rank 0 (CPU), None elsewhere; every rank calls it"),
+    Api("Engine._consolidated_16bit_state_dict", "supported",
+        "as `_zero3_consolidated_16bit_state_dict` at stage 3 or with tensor parallelism; "
+        "ValueError otherwise, as in DeepSpeed"),
     Api("Engine.fp16_enabled", "supported", ""),
     Api("Engine.bfloat16_enabled", "supported", ""),
     Api("Engine.gradient_clipping", "supported", ""),
@@ -464,8 +472,13 @@ API: List[Api] = [
     Api("Engine.module_state_dict", "supported", "`engine.module.state_dict()`: full weights at every stage"),
     Api("Engine.load_module_state_dict", "supported", "`engine.module.load_state_dict(sd)`: at every stage"),
     Api("Engine.deepspeed_io", "planned", "`initialize(training_data=...)` builds the loader"),
-    Api("Engine.compile", "supported", "`compile(backend=None, compile_kwargs=None)`"),
-    Api("Engine.is_compiled", "planned", ""),
+    Api("Engine.compile", "supported", "`compile(backend=None, compile_kwargs=None)`; refused "
+        "(NotImplementedError) while `compile.deepcompile` is true"),
+    Api("Engine.is_compiled", "supported", ""),
+    Api("Engine.is_deepcompile_enabled", "supported", "`compile.deepcompile`"),
+    Api("Engine.is_deepcompile_active", "differs",
+        "always False: `engine.compile()` refuses DeepCompile (`compile.deepcompile` true), so "
+        "the module runs eagerly, as DeepSpeed's does until its `compile()`"),
     Api("Engine.destroy", "supported",
         "removes the engine's gradient hooks and releases stage-3 parameters; the process "
         "group stays (`deepspeed.comm.destroy_process_group()` ends it)"),

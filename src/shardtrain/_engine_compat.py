@@ -248,9 +248,25 @@ class DeepSpeedEngineAPI:
         other ranks (DeepSpeed's documented behaviour). Every rank must call it: at stage 3
         each module's parameters are gathered in turn, copied to rank 0's host and released,
         so no rank's device holds more than one module's parameters beyond its shards."""
-        frozen = [n for n, p in self.module.named_parameters() if not p.requires_grad] \
-            if exclude_frozen_parameters else []
-        return full_state_dict(self.module, exclude=frozen, rank=0)
+        return _full_weights_on_rank_0(self.module, exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                       ) -> Optional[Dict[str, torch.Tensor]]:
+        """DeepSpeed's general name: the full weights on rank 0 (None elsewhere) where they
+        are partitioned (stage 3 or tensor parallelism); a ValueError otherwise, as there."""
+        if self.zero_optimization_stage() != 3 and self.mesh.tp.size() == 1:
+            raise ValueError("_consolidated_16bit_state_dict() applies where weights are "
+                             "partitioned (ZeRO stage 3 or tensor parallelism); at stage "
+                             f"{self.zero_optimization_stage()} read engine.module.state_dict()")
+        return _full_weights_on_rank_0(self.module, exclude_frozen_parameters)
+
+    def is_deepcompile_enabled(self) -> bool:
+        """Whether the config's ``compile.deepcompile`` is true (DeepSpeed's method)."""
+        return bool(self.config.compile.deepcompile)
+
+    def is_deepcompile_active(self) -> bool:
+        """Whether DeepCompile's passes run: never here (``engine.compile()`` refuses them)."""
+        return False
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """The deprecated name of ``save_16bit_model``."""
@@ -278,3 +294,11 @@ class DeepSpeedEngineAPI:
         """Runs Python's cyclic garbage collector once (with ``disable_python_gc`` it is off
         otherwise); the number of unreachable objects found."""
         return gc.collect()
+
+
+def _full_weights_on_rank_0(module: torch.nn.Module, exclude_frozen: bool
+                            ) -> Optional[Dict[str, torch.Tensor]]:
+    """The full weights on rank 0's host, None elsewhere; every rank calls it."""
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad] \
+        if exclude_frozen else []
+    return full_state_dict(module, exclude=frozen, rank=0)

@@ -222,15 +222,24 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             if grad_on:
                 self._bounds.enter_step()
                 self._strategy.begin_forward()
-            if self.config.compile.enabled and self._compiled is None:
-                log_dist_once("compile.enabled is true in the config but engine.compile() was "
-                              "not called: the module runs eagerly. Call engine.compile() "
-                              "after initialize().", ranks=[0])
+            self._log_if_not_compiled()
             with self._precision.autocast(self.device.type):
                 run = self._compiled if self._compiled is not None else self.module
                 outputs = run(*inputs, **kwargs)
             self._strategy.end_forward(grad_on)
             return self._hook_outputs(outputs) if grad_on else outputs
+
+    def _log_if_not_compiled(self) -> None:
+        """Says once (rank 0) that a config asking for compilation runs eagerly."""
+        if self._compiled is not None:
+            return
+        if self.config.compile.deepcompile:  # DeepSpeed's own message, before its compile()
+            log_dist_once("DeepCompile is enabled but engine.compile() has not been called; "
+                          "executing without DeepCompile until compile() runs", ranks=[0])
+        elif self.config.compile.enabled:
+            log_dist_once("compile.enabled is true in the config but engine.compile() was "
+                          "not called: the module runs eagerly. Call engine.compile() "
+                          "after initialize().", ranks=[0])
 
     @contextlib.contextmanager
     def _in_phase(self, phase: Phase) -> Iterator[None]:
@@ -790,12 +799,27 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         modules inside an ``nn.ModuleList`` or ``nn.Sequential``) is compiled on its own and
         its parameters are gathered as one unit around it, so no gather breaks a graph.
 
+        Raises:
+            NotImplementedError: ``compile.deepcompile`` is true (DeepCompile's compiled ZeRO
+                passes are not available; the module keeps running eagerly).
+
         Example:
             >>> engine.compile(backend="inductor", compile_kwargs={"mode": "default"})
         """
+        if self.config.compile.deepcompile:
+            raise NotImplementedError(
+                "engine.compile() with compile.deepcompile true: DeepCompile's compiled ZeRO "
+                "passes are not available in this engine. Set compile.deepcompile false to use "
+                "per-block torch.compile, which engine.compile() does then; meanwhile the "
+                "module runs eagerly.")
         options = {**self.config.compile.kwargs, **(compile_kwargs or {})}
         backend = backend or self.config.compile.backend
         self._compiled = self._strategy.compile(self.module, backend, options)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``engine.compile()`` has compiled the module."""
+        return self._compiled is not None
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

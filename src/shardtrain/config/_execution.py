@@ -4,7 +4,7 @@ Both blocks change what forward and backward execute, not what the step computes
 honours them is :mod:`shardtrain.checkpointing` and ``Engine.compile``.
 """
 
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from pydantic import Field
 
@@ -37,3 +37,33 @@ class CompileConfig(_ConfigModel):
     enabled: _Bool = Field(False, description="compile the module (call engine.compile())")
     backend: _Str = Field("inductor", description="torch.compile backend")
     kwargs: Dict[str, Any] = Field(default_factory=dict, description="other torch.compile arguments")
+
+    # DeepCompile (DeepSpeed's compiled ZeRO passes). With deepcompile false DeepSpeed reads none
+    # of the keys below, nor does shardtrain. With deepcompile true DeepSpeed runs eagerly until
+    # engine.compile() is called, and so does shardtrain, whose engine.compile() then refuses
+    # (the passes are not available): what the keys tune never runs, so every value is accepted.
+    deepcompile: _Bool = Field(
+        False, description="DeepCompile: the module runs eagerly (logged once, rank 0) and "
+                           "engine.compile() is refused")
+    autoep_non_moe: _Bool = Field(False, description="DeepCompile: compile AutoEP layers' parents")
+    free_activation: _Bool = Field(False, description="DeepCompile: free activations eagerly")
+    free_activation_threshold: _Int = Field(
+        10 * 1024 * 1024, description="DeepCompile: bytes from which activations are freed")
+    offload_activation: _Bool = Field(False, description="DeepCompile: offload activations")
+    offload_activation_pin_memory: _Bool = Field(
+        True, description="DeepCompile: pin activation offload buffers")
+    offload_opt_states: _Bool = Field(False, description="DeepCompile: offload optimizer states")
+    double_buffer: _Bool = Field(True, description="DeepCompile: double buffering")
+    symmetric_memory: _Bool = Field(False, description="DeepCompile: symmetric memory")
+    debug_log: _Bool = Field(False, description="DeepCompile: graph dumping")
+    offload_parameters: _Bool = Field(False, description="DeepCompile: parameter offloading")
+    sync_before_reduce: _Bool = Field(False, description="DeepCompile: sync before reduce")
+    sync_after_reduce: _Bool = Field(False, description="DeepCompile: sync after reduce")
+    sync_before_allgather: _Bool = Field(False, description="DeepCompile: sync before all-gather")
+    sync_after_allgather: _Bool = Field(False, description="DeepCompile: sync after all-gather")
+    keep_int_input_tensors: _Bool = Field(
+        True, description="DeepCompile: keep int input tensors' values")
+    keep_all_input_tensors: _Bool = Field(
+        False, description="DeepCompile: keep all input tensors' values")
+    passes: Optional[List[_Str]] = Field(
+        None, description="DeepCompile: the passes to compose (z1, z3, autosp, autotp)")

@@ -123,6 +123,19 @@ NO_EFFECT: Dict[str, str] = {
     "autotuning.model_info.num_layers": "informational: the profile measures what the autotuner needs",
 }
 
+#: DeepCompile's tuning keys: they tune the compiled ZeRO passes, which never run here (with
+#: compile.deepcompile true the module runs eagerly, as DeepSpeed's does until engine.compile(),
+#: and engine.compile() is refused), so any value is accepted and changes nothing.
+_DEEPCOMPILE_TUNING = (
+    "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+    "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory",
+    "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
+    "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+    "keep_all_input_tensors", "passes",
+)
+NO_EFFECT.update({f"compile.{key}": "tunes DeepCompile's compiled ZeRO passes, which do not run "
+                  "here (see compile.deepcompile)" for key in _DEEPCOMPILE_TUNING})
+
 #: Keys DeepSpeed removed: dotted key -> what to use instead. Their presence alone is an error.
 REMOVED_KEYS: Dict[str, str] = {
     "nebula": "",

@@ -5,7 +5,8 @@ class) whose ``__getattr__`` asks the schedule to gather a partitioned parameter
 read outside the forward of a module that owns it (a tied head used in a custom loss, a
 parent reading a child's weight), and whose ``_save_to_state_dict``/``_load_from_state_dict``
 gather the module's groups so that ``state_dict()`` holds full values and
-``load_state_dict()`` writes full values into the shards. The handle returned by
+``load_state_dict()`` writes full values into the shards (``state_dict()`` reads groups that
+are whole already, inside ``GatheredParameters``, without gathering). The handle returned by
 :func:`install` puts the original class back.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Dict
 
 import torch
 
-from ._params import is_partitioned, write_shard_from_full
+from ._params import ZeroParamStatus, is_partitioned, write_shard_from_full
 
 _ACCESS_CLASSES: Dict[type, type] = {}
 _STATE_CLASSES: Dict[type, type] = {}
@@ -63,7 +64,10 @@ def _zero_getattr(self, name: str):
 def _zero_save(self, destination, prefix, keep_vars):
     if keep_vars:  # the parameters themselves are asked for, not their values: no gather
         return super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
-    groups = self._zero_units.of(self)
+    # Groups whose parameters are all whole already (inside GatheredParameters entered on
+    # every rank, or a running forward) are read as they are: no collective, so one rank may
+    # read them alone (OpenRLHF's rank-0 state_dict() inside GatheredParameters).
+    groups = [g for g in self._zero_units.of(self) if not _whole(g)]
     for g in groups:
         g.active += 1
         g.gather()
@@ -76,6 +80,10 @@ def _zero_save(self, destination, prefix, keep_vars):
                 destination[prefix + name] = p.ds_full.detach().to("cpu", copy=True)
     finally:
         _done_with(groups)
+
+
+def _whole(group) -> bool:
+    return all(p.ds_status == ZeroParamStatus.AVAILABLE for p in group.params)
 
 
 def _zero_load(self, state_dict, prefix, *args, **kwargs):
