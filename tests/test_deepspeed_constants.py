@@ -337,7 +337,9 @@ def test_optimizer_types_of_constants():
     assert type(_train(_config(optimizer_type=C.ADAGRAD_OPTIMIZER), 1)[0]) is torch.optim.Adagrad
     plain = _train(_config(**{C.ADAM_W_MODE: not C.ADAM_W_MODE_DEFAULT, C.TORCH_ADAM_PARAM: True}), 1)[0]
     assert type(plain) is torch.optim.Adam
-    for name in set(C.DEEPSPEED_OPTIMIZERS) - {C.ADAM_OPTIMIZER, C.ADAMW_OPTIMIZER, C.ADAGRAD_OPTIMIZER}:
+    assert type(_train(_config(optimizer_type=C.MUON_OPTIMIZER), 1)[0]).__name__ == "MuonWithAuxAdam"
+    built = {C.ADAM_OPTIMIZER, C.ADAMW_OPTIMIZER, C.ADAGRAD_OPTIMIZER, C.MUON_OPTIMIZER}
+    for name in set(C.DEEPSPEED_OPTIMIZERS) - built:
         with pytest.raises(NotImplementedError, match=f"Optimizer '{name}' is not available"):
             _train(_config(optimizer_type=name), 1)
 
