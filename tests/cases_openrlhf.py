@@ -13,6 +13,11 @@ What is reproduced here was read from OpenRLHF 0.11.2's source
 * ``save_model``: at stage 3 ``engine._consolidated_16bit_state_dict()`` on every rank, at
   stages 1-2 ``clone_tensors_for_torch_save(module.state_dict())``, then
   ``save_pretrained(dir, state_dict=...)`` on rank 0;
+* ``offload_deepspeed_states``/``reload_deepspeed_states`` (``--deepspeed_enable_sleep``):
+  ``engine.optimizer.offload_states(include=[optim_states, contiguous_grad_buffer, hp_params,
+  lp_grads], device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)``,
+  ``engine.empty_partition_cache()``, a barrier; later ``engine.reload_states(non_blocking=True)``
+  and a barrier;
 * ``save_ckpt``/``load_ckpt``: ``engine.save_checkpoint(dir, tag=, client_state=,
   save_latest=)`` and ``engine.load_checkpoint(dir, tag, load_module_strict=True,
   load_optimizer_states=True, load_lr_scheduler_states=True, load_module_only=False)``.
@@ -193,6 +198,55 @@ def case_train(stage: int, root: str) -> Callable[[int, int], Dict[str, Any]]:
     return run
 
 
+def offload_deepspeed_states(engine) -> None:
+    """OpenRLHF's ``offload_deepspeed_states`` (no Adam offload, DeepSpeed > 0.17.5)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    kinds = [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.contiguous_grad_buffer,
+             OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads]
+    engine.optimizer.offload_states(include=kinds, device=OffloadDeviceEnum.cpu,
+                                    pin_memory=True, non_blocking=True)
+    engine.empty_partition_cache()
+    torch.distributed.barrier()
+
+
+def reload_deepspeed_states(engine) -> None:
+    engine.reload_states(non_blocking=True)
+    torch.distributed.barrier()
+
+
+def case_sleep(stage: int) -> Callable[[int, int], Dict[str, Any]]:
+    """Colocated training (``--deepspeed_enable_sleep``): after each step the states go to
+    the host while the actor computes log-probabilities (a forward without gradients), and
+    come back for the next step."""
+    def run(rank: int, world: int) -> Dict[str, Any]:
+        engine, _, _ = prepare(partitioned(train_ds_config(stage, False, world)))
+        out: Dict[str, Any] = {"losses": [], "norms": [], "bytes": [], "away": [],
+                               "logprob_sums": []}
+        for step in range(STEPS):
+            got = train_steps(engine, rank, world, range(step, step + 1))
+            out["losses"] += got["losses"]
+            out["norms"] += got["norms"]
+            before = engine.model_state_bytes()["total"]
+            offload_deepspeed_states(engine)
+            out["bytes"].append((before, engine.model_state_bytes()["total"]))
+            out["away"].append(engine.offloaded_states)
+            with torch.no_grad():
+                ids = tokens(world)[0][rank * MICRO:(rank + 1) * MICRO]
+                logits = engine(input_ids=ids).logits
+                out["logprob_sums"].append(logits.log_softmax(-1).sum().item())
+            engine.empty_partition_cache()
+            if step == 0:
+                try:
+                    train_steps(engine, rank, world, range(1, 2))
+                    out["refused"] = ""
+                except AssertionError as err:  # DeepSpeed's class for a misuse
+                    out["refused"] = str(err)
+            reload_deepspeed_states(engine)
+        engine.destroy()
+        return out
+    return run
+
+
 def save_model(engine, rank: int, stage: int, out_dir: str) -> bool:
     """OpenRLHF's ``save_model`` (no tokenizer). At stages 1-2 it reads ``state_dict()`` on
     every rank and again on rank 0 alone (its key check); at stage 3 that rank-0-only read
@@ -281,6 +335,7 @@ def case_compile_keys(rank: int, world: int) -> Dict[str, Any]:
 def all_cases(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     from _dist import run_cases
     cases = {f"train{stage}": case_train(stage, root) for stage in (3, 1, 2)}
+    cases.update({f"sleep{stage}": case_sleep(stage) for stage in (3, 1, 2)})
     cases.update(gathered_state_dict=case_gathered_state_dict, deepcompile=case_deepcompile,
                  compile_keys=case_compile_keys)
     return run_cases(cases, rank, world_size)

@@ -259,6 +259,10 @@ API: List[Api] = [
     Api("runtime.zero.offload_config.OffloadDeviceEnum", "supported",
         "a `str` enum (`none`, `cpu`, `nvme`; NVMe offload is refused by the config); also "
         "`OffloadStateTypeEnum`"),
+    Api("runtime.zero.offload_states.get_state_devices", "supported",
+        "the host for a kind `engine.offload_states()` moved, the engine's device otherwise; "
+        "`offload_adam_states`/`reload_adam_states` (a bare optimizer's) are refused, pointing "
+        "at the engine's"),
     Api("runtime.pipe", "not provided",
         "pipeline parallelism (`PipelineEngine`, `PipelineModule`, `topology.ProcessTopology`): "
         "importing it raises ModuleNotFoundError naming it, with ZeRO stage 3 or tensor "
@@ -483,13 +487,22 @@ API: List[Api] = [
         "removes the engine's gradient hooks and releases stage-3 parameters; the process "
         "group stays (`deepspeed.comm.destroy_process_group()` ends it)"),
     Api("Engine.empty_partition_cache", "supported", "releases gathered stage-3 parameters"),
+    Api("Engine.offload_states", "supported",
+        "`offload_states(include=None, device=cpu, pin_memory=True, non_blocking=False)` at "
+        "stages 0-3 (DeepSpeed: 1-3): each kind of `OffloadStateTypeEnum` moves to host memory "
+        "in place, bit for bit back at `reload_states()`; `hp_params` moves nothing in fp32 "
+        "training (no master copies); a call that needs what is away raises, naming it; also "
+        "on `engine.optimizer`, as OpenRLHF calls it ([zero.md](zero.md#model-states-off-the-device-on-demand))"),
+    Api("Engine.reload_states", "supported", "`reload_states(non_blocking=False)`; also on "
+        "`engine.optimizer`"),
     Api("Engine.allreduce_gradients", "not provided",
         "gradients are reduced in buckets during backward; there is nothing to call"),
     Api("Engine.module", "supported", "and attributes the engine lacks come from it "
         "(`engine.gradient_checkpointing_enable()`)"),
     Api("Engine.optimizer", "differs",
         "the torch optimizer itself, stepping this rank's (fp32) shards, with DeepSpeed's "
-        "`overflow`, `loss_scale` and `cur_scale` attributes; DeepSpeed returns its ZeRO/fp16 wrapper"),
+        "`overflow`, `loss_scale` and `cur_scale` attributes and its ZeRO optimizer's "
+        "`offload_states`/`reload_states`; DeepSpeed returns its ZeRO/fp16 wrapper"),
     Api("Engine.lr_scheduler", "supported", ""),
     Api("Engine.training_dataloader", "supported", "resumable: its position is in checkpoints"),
     Api("Engine.global_steps", "supported", ""),

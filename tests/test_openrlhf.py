@@ -62,6 +62,36 @@ def test_save_model_writes_what_from_pretrained_loads(run, ref, stage):
         torch.testing.assert_close(state[name], value, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("stage", [3, 1, 2])
+def test_offloaded_states_between_steps_train_exactly(run, ref, stage):
+    """OpenRLHF's offload_deepspeed_states after each step, a forward without gradients while
+    the states are away, reload_deepspeed_states before the next step: the losses and norms
+    of a run without the offload; the model states left on the device are the 16-bit
+    parameters alone."""
+    for rank in range(WORLD):
+        got = result(run, f"sleep{stage}", rank)
+        assert got["losses"] == pytest.approx([s[rank] for s in ref["losses"]], abs=ATOL)
+        assert got["norms"] == pytest.approx(ref["norms"], abs=ATOL)
+        plain = result(run, f"train{stage}", rank)
+        assert got["losses"] == pytest.approx(plain["losses"], abs=1e-7)
+        # fp32: no master copies; stages 2-3 keep no flat buffer between backward passes
+        kinds = ["contiguous_grad_buffer", "lp_grads", "optim_states"][(stage > 1):]
+        assert got["away"] == [kinds] * 3
+        params = sum(v.numel() * 4 for v in ref["state"].values()) // (WORLD if stage == 3 else 1)
+        for before, after in got["bytes"]:
+            assert before > after >= params  # only the parameters stay
+        assert len(set(got["logprob_sums"])) == 3  # the weights changed between steps
+
+
+def test_training_while_states_are_offloaded_is_named(run):
+    """The first call that needs what is away says so: backward needs the gradients."""
+    for stage in (3, 1, 2):
+        reason = result(run, f"sleep{stage}", 0)["refused"]
+        assert reason.startswith("engine.backward() needs "), reason
+        assert "lp_grads" in reason and "optim_states" not in reason
+        assert "engine.reload_states() first" in reason
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_consolidated_state_dict_is_refused_where_weights_are_whole(run, stage):
     reason = result(run, f"train{stage}", 0)["consolidated_refused"]

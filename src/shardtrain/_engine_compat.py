@@ -296,6 +296,34 @@ class DeepSpeedEngineAPI:
         return gc.collect()
 
 
+def lend_state_moves(engine: Any) -> None:
+    """DeepSpeed's ZeRO optimizer has ``offload_states``/``reload_states``, and OpenRLHF calls
+    them on ``engine.optimizer``: the torch optimizer gets the two as attributes that call the
+    engine's own (held weakly: the optimizer keeps no engine alive). An optimizer that has
+    names of its own keeps them."""
+    optimizer, ref = engine.optimizer, weakref.ref(engine)
+    if optimizer is None:
+        return
+
+    def offload_states(include=None, device="cpu", pin_memory=True, non_blocking=False):
+        _alive(ref).offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(non_blocking=False):
+        _alive(ref).reload_states(non_blocking)
+
+    for method in (offload_states, reload_states):
+        if not hasattr(optimizer, method.__name__):
+            setattr(optimizer, method.__name__, method)
+
+
+def _alive(ref: "weakref.ref") -> Any:
+    engine = ref()
+    if engine is None:
+        raise RuntimeError("optimizer.offload_states()/reload_states(): the engine this "
+                           "optimizer belonged to was released; call them on a live engine.")
+    return engine
+
+
 def _full_weights_on_rank_0(module: torch.nn.Module, exclude_frozen: bool
                             ) -> Optional[Dict[str, torch.Tensor]]:
     """The full weights on rank 0's host, None elsewhere; every rank calls it."""

@@ -16,7 +16,7 @@ import math
 import os
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -24,14 +24,14 @@ from torch.utils import _pytree as pytree
 from . import accelerator, activation_checkpointing as checkpointing, comm
 from . import checkpoint as _ckpt
 from .comm import CollectiveBounds
-from ._engine_compat import DeepSpeedEngineAPI
+from ._engine_compat import DeepSpeedEngineAPI, lend_state_moves
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
 from .errors import GradientsUnavailableError, StepOrderError, UnusedParametersError
 from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .layout import layout_of
-from .memory import count_bytes
+from .memory import STATE_KINDS, StateOffload, count_bytes
 from .optim import MuonWithAuxAdam, build_optimizer, build_scheduler
 from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
@@ -42,6 +42,7 @@ from .zero.strategy import ParamSlot, ReducedGrads, ReduceSettings, StrategyProt
 __all__ = ["Engine"]
 
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
+_BACKWARD_NEEDS = ("lp_params", "lp_grads", "contiguous_grad_buffer")  # of STATE_KINDS
 
 
 class Engine(DeepSpeedEngineAPI, torch.nn.Module):
@@ -80,6 +81,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         comm.set_check(config.diagnostics.divergence_check)
         self._bounds = CollectiveBounds(config.diagnostics)
         self._step = StepState()  # what the step in progress has seen (state.py)
+        self._offloaded = StateOffload()  # model states offload_states() moved to the host
         self._last_print = (time.perf_counter(), 0)
 
         self._precision = Precision.from_config(config, self.device.type)
@@ -97,6 +99,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                      level=logging.WARNING)
         self._strategy: StrategyProtocol = self._build_strategy(trainable)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
+        lend_state_moves(self)  # DeepSpeed's optimizer.offload_states()/reload_states()
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         self._watch = build_watch(self)  # monitors, timers, profilers, autotuning (telemetry)
@@ -215,6 +218,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._require_alive("forward()")
+        self._require_on_device("forward()", ("lp_params",))
         with accelerator.range("shardtrain.forward"), self._in_phase(Phase.FORWARD), \
                 self._watch.forward(inputs, kwargs):
             inputs, kwargs = self._prepare_inputs(inputs, kwargs)
@@ -315,6 +319,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """A backward pass starts: from ``engine.backward`` (``task`` None, factor 1) or at
         the first output hook of a plain ``loss.backward()``."""
         self._require_alive("backward()")
+        self._require_on_device("backward()", _BACKWARD_NEEDS)
         self._phase = Phase.BACKWARD
         self._step.backward = BackwardPass(task, factor)
         self._step.backward_calls += 1
@@ -339,6 +344,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             the loss divided by ``gradient_accumulation_steps`` (detached), as DeepSpeed does.
         """
         self._require_optimizer("backward")
+        self._require_on_device("backward()", _BACKWARD_NEEDS)
         if not loss.requires_grad:
             raise RuntimeError(f"engine.backward(loss): the loss does not require gradients: "
                                f"{self._why_no_grad()}")
@@ -392,6 +398,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Counts a micro-step; at the accumulation boundary also updates the parameters."""
         self._require_alive("step()")
         self._require_optimizer("step")
+        self._require_on_device("step()")
         if self._step.no_sync:
             raise StepOrderError("engine.step() was called inside engine.no_sync(): leave the "
                                  "no_sync() block for the last micro-batch before stepping.")
@@ -593,6 +600,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     def zero_grad(self) -> None:
         """Drops the gradients accumulated since the last step."""
+        self._require_on_device("zero_grad()", ("lp_grads", "contiguous_grad_buffer"))
         self._clear_grads()
 
     # -- monitoring (the rest lives in telemetry/) -------------------------------------------
@@ -871,6 +879,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         afterwards raises."""
         if self._phase is Phase.DESTROYED:
             return
+        self._offloaded.reload()  # the model is left usable
         self._strategy.release_all()
         self._strategy.remove_hooks()
         self._load_hook.remove()
@@ -878,6 +887,86 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         checkpointing.release_mpu(self._parallel.mpu)
         comm.set_position(None, replacing=self._describe_position)
         self._phase = Phase.DESTROYED
+
+    # -- model states off the device ----------------------------------------------------
+
+    def offload_states(self, include: Optional[Iterable[str]] = None, device: str = "cpu",
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Moves this rank's model states to host memory until :meth:`reload_states`, to
+        free the device between training phases (generation, another model's turn).
+
+        Every tensor keeps its identity (the optimizer, its state dict and the module see the
+        same objects), and :meth:`reload_states` restores the bytes exactly, so training goes
+        on as if nothing moved. While states are away, a call that needs them (``forward``
+        needs ``lp_params``; ``backward`` and ``zero_grad`` the gradients; ``step`` and
+        checkpoints everything) raises and says to reload. A forward without gradients only
+        needs ``lp_params``. On a CPU-only run the host copies share the same memory: the
+        engine's storages are freed, but nothing is saved.
+
+        Args:
+            include: kinds of state, by the names of DeepSpeed's ``OffloadStateTypeEnum``
+                (its members or their strings): ``optim_states`` (optimizer states),
+                ``hp_params`` (fp32 masters of 16-bit parameters; none in fp32 training),
+                ``lp_params`` (the module's trainable parameters; stage 3: the shards),
+                ``lp_grads`` (gradients kept between micro-steps), ``contiguous_grad_buffer``
+                (the flat reduction buffers). Default: all.
+            device: ``"cpu"`` (host memory). ``"none"`` moves nothing, with a warning.
+            pin_memory: page-locked host buffers (CUDA only; ignored elsewhere).
+            non_blocking: copies that do not wait for the device.
+
+        Example:
+            >>> engine.offload_states(include=["optim_states", "hp_params", "lp_grads"])
+            >>> ...                                   # generation with the device free
+            >>> engine.reload_states()
+        """
+        self._require_alive("offload_states()")
+        kinds = _state_kinds(include)
+        where = str(getattr(device, "value", device)).lower()
+        if where == "none":
+            logger.warning("offload_states(device='none'): no device to move the states to; "
+                           "nothing moved.")
+            return
+        if where != "cpu":
+            raise ValueError(f"offload_states(device={where!r}): states move to host memory "
+                             "only; use device='cpu' (OffloadDeviceEnum.cpu).")
+        if self._phase is not Phase.IDLE:
+            raise StepOrderError(f"engine.offload_states() during {self._phase.value}: call it "
+                                 "between training steps.")
+        if "lp_params" in kinds:
+            self._strategy.release_all()  # stage 3: nothing gathered stays on the device
+        self._offloaded.offload(self._model_states(), kinds,
+                                pin_memory=pin_memory and accelerator.is_cuda(),
+                                non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Brings back every state :meth:`offload_states` moved, bit for bit.
+
+        Example:
+            >>> engine.reload_states()
+        """
+        self._require_alive("reload_states()")
+        self._offloaded.reload(non_blocking=non_blocking)
+
+    @property
+    def offloaded_states(self) -> List[str]:
+        """The kinds of model state now in host memory (:meth:`offload_states`)."""
+        return sorted(self._offloaded.kinds)
+
+    def _model_states(self) -> Dict[str, List[torch.Tensor]]:
+        """This rank's model states on its device, by kind (``STATE_KINDS``)."""
+        states = dict(self._strategy.model_states())
+        states["optim_states"] = [v for s in (self.optimizer.state.values() if self.optimizer
+                                              else []) for v in s.values()
+                                  if isinstance(v, torch.Tensor)]
+        return {kind: [t for t in tensors if t.device == self.device]
+                for kind, tensors in states.items()}
+
+    def _require_on_device(self, what: str, kinds: Iterable[str] = STATE_KINDS) -> None:
+        away = sorted(self._offloaded.kinds.intersection(kinds))
+        if away:
+            raise StepOrderError(
+                f"engine.{what} needs {', '.join(away)}, which engine.offload_states() moved "
+                "to host memory: call engine.reload_states() first.")
 
     def _require_alive(self, what: str) -> None:
         if self._phase is Phase.DESTROYED:
@@ -963,6 +1052,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             >>> engine.save_checkpoint("checkpoints", client_state={"epoch": 3})
         """
         self._require_alive("save_checkpoint()")
+        self._require_on_device("save_checkpoint()")
         return _ckpt.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                      exclude_frozen_parameters)
 
@@ -1003,6 +1093,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
         self._require_alive("load_checkpoint()")
+        self._require_on_device("load_checkpoint()")
         path, client_state = _ckpt.load_universal(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,
@@ -1032,6 +1123,20 @@ def _no_batches(samples: int, micro: int, world: int) -> str:
             f"{world} rank(s) ({micro * world} per micro-step) and dataloader_drop_last is true: "
             "the loader would yield no batch. Lower train_micro_batch_size_per_gpu, set "
             "dataloader_drop_last to false, or give more data.")
+
+
+def _state_kinds(include: Optional[Iterable[Any]]) -> List[str]:
+    """``offload_states``' ``include`` as kind names (enum members give their values)."""
+    if include is None:
+        return list(STATE_KINDS)
+    if isinstance(include, str):
+        include = [include]
+    kinds = [str(getattr(kind, "value", kind)) for kind in include]
+    unknown = [kind for kind in kinds if kind not in STATE_KINDS]
+    if unknown:
+        raise ValueError(f"offload_states(include=...): unknown kind(s) {unknown}; the kinds "
+                         f"are {list(STATE_KINDS)} (DeepSpeed's OffloadStateTypeEnum).")
+    return kinds
 
 
 def _unique(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:

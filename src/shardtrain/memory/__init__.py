@@ -4,6 +4,8 @@ them, how far a block of code raised memory, and byte sizes as people write and 
 * :mod:`._model_states`: :func:`count_bytes` (distinct storages per category), the ZeRO
   formula (:func:`zero_formula_bytes`), and ``shardtrain estimate``'s rules
   (:class:`BytesPerParam`, :func:`bytes_per_param`, :func:`estimate_model_states`);
+* :mod:`._offload`: :class:`StateOffload`, model states moved to host memory and back in
+  place (``engine.offload_states()``);
 * :mod:`._peak`: :func:`peak_memory`, the host's and the device's peak over a block;
 * :mod:`._sizes`: :func:`parse_size` (``20GiB`` in options and environment variables) and
   :func:`format_bytes` (``1.5 GiB`` in log lines and tables).
@@ -18,8 +20,10 @@ Example:
 from ..files import write_weights
 from ._model_states import (BytesPerParam, bytes_per_param, count_bytes, estimate_model_states,
                             zero_formula_bytes)
+from ._offload import STATE_KINDS, StateOffload
 from ._peak import peak_memory
 from ._sizes import format_bytes, parse_size
 
 __all__ = ["count_bytes", "zero_formula_bytes", "BytesPerParam", "bytes_per_param",
-           "estimate_model_states", "write_weights", "peak_memory", "format_bytes", "parse_size"]
+           "estimate_model_states", "STATE_KINDS", "StateOffload", "write_weights",
+           "peak_memory", "format_bytes", "parse_size"]

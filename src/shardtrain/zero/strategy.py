@@ -126,6 +126,10 @@ class StrategyProtocol(Protocol):
     def held_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """Storage held beyond the module's own tensors (memory accounting)."""
 
+    def model_states(self) -> Dict[str, List[torch.Tensor]]:
+        """This rank's model states by kind (``lp_params``, ``hp_params``, ``lp_grads``,
+        ``contiguous_grad_buffer``): what ``offload_states`` moves."""
+
     def release_all(self) -> None:
         """Frees gathered parameters no running forward needs (stage 3)."""
 
@@ -270,6 +274,22 @@ class Strategy:
         shards = [g.flat for g in self._schedule.units.groups] if self._schedule else []
         return {"params": shards, "grads": self._grads.storage(),
                 "master": list(self._view.masters)}
+
+    def model_states(self) -> Dict[str, List[torch.Tensor]]:
+        """This rank's model states by kind, under the names of DeepSpeed's
+        ``OffloadStateTypeEnum``: the trainable parameters as the module holds them
+        (``lp_params``; stage 3: the shards, and the parameters too small to partition), the
+        optimizer's own copies of them (``hp_params``: fp32 masters of 16-bit parameters, or
+        host copies; none in fp32 training, where the optimizer updates the parameters
+        themselves), the gradients kept between micro-steps (``lp_grads``) and
+        the flat buffers they are reduced from (``contiguous_grad_buffer``: at stages 0-1 the
+        same buckets; stages 2-3 keep none between backward passes)."""
+        shards = [g.flat for g in self._schedule.units.groups] if self._schedule else []
+        grads = self._grads.storage()
+        return {"lp_params": [p for p in self.params if not is_partitioned(p)] + shards,
+                "hp_params": list(self._view.masters),
+                "lp_grads": grads,
+                "contiguous_grad_buffer": grads if self._grads.keeps_full else []}
 
     def stats(self) -> Dict[str, Any]:
         """What the strategy is doing, for diagnostics: gradient buckets (parameters and

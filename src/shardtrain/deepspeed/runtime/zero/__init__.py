@@ -8,10 +8,10 @@ Example:
 """
 from ....zero import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                       set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
-from . import config, offload_config, partition_parameters
+from . import config, offload_config, offload_states, partition_parameters
 from .partition_parameters import (GatheredParameters, Init, ZeroParamStatus,
                                    register_external_parameter, unregister_external_parameter)
-from ..._missing import unsupported_class, unsupported_function
+from ..._missing import unsupported_class
 
 MiCS_Init = unsupported_class("deepspeed.zero.MiCS_Init", "MiCS hierarchical partitioning",
                               "deepspeed.zero.Init")
@@ -21,8 +21,6 @@ TiledLinearReturnBias = unsupported_class("deepspeed.zero.TiledLinearReturnBias"
                                           "tiled linear layers", "torch.nn.Linear")
 ZeroOptimizer = unsupported_class("deepspeed.zero.ZeroOptimizer", "DeepSpeed's ZeRO optimizer wrapper",
                                   "deepspeed.initialize(), whose engine.optimizer is the torch optimizer")
-offload_states = unsupported_function("deepspeed.zero.offload_states", "moving model states off the device on demand",
-                                      "zero_optimization.offload_optimizer / offload_param")
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
            "unregister_external_parameter", "partition_parameters", "config", "offload_config",

@@ -3,8 +3,9 @@ DeepSpeed 0.19.8 names them.
 
 The enums are ``str``, so ``OffloadDeviceEnum.cpu`` stands wherever the config takes ``"cpu"``
 (``offload_optimizer.device``, ``offload_param.device``; ``"nvme"`` is refused there as a
-planned feature). ``OffloadStateTypeEnum`` names what DeepSpeed's ``engine.offload_states()``
-moves, which shardtrain does not provide. The pydantic config classes are not provided:
+planned feature). ``OffloadStateTypeEnum`` names what ``engine.offload_states(include=...)``
+moves (and ``engine.optimizer.offload_states``, as OpenRLHF calls it). The pydantic config
+classes are not provided:
 ``DeepSpeedConfig(config)`` checks the offload blocks.
 
 Example:
