@@ -11,8 +11,8 @@ What is reproduced here was read from OpenRLHF 0.11.2's source
 * ``backward``/``optimizer_step``/``get_grad_norm``: ``engine.backward(loss)``,
   ``engine.step()``, ``engine.get_global_grad_norm()``;
 * ``save_model``: at stage 3 ``engine._consolidated_16bit_state_dict()`` on every rank, at
-  stages 1-2 ``clone_tensors_for_torch_save(module.state_dict())``, then
-  ``save_pretrained(dir, state_dict=...)`` on rank 0;
+  stages 1-2 ``clone_tensors_for_torch_save(module.state_dict())``, then on rank 0 alone
+  ``module.state_dict().keys()`` and ``save_pretrained(dir, state_dict=...)``, then a barrier;
 * ``offload_deepspeed_states``/``reload_deepspeed_states`` (``--deepspeed_enable_sleep``):
   ``engine.optimizer.offload_states(include=[optim_states, contiguous_grad_buffer, hp_params,
   lp_grads], device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)``,
@@ -177,7 +177,7 @@ def case_train(stage: int, root: str) -> Callable[[int, int], Dict[str, Any]]:
                                save_latest=True)
         last = train_steps(engine, rank, world, range(STEPS - 1, STEPS))
         out = {k: out[k] + last[k] for k in out}
-        out["saved"] = save_model(engine, rank, stage, os.path.join(root, f"hf{stage}"))
+        out.update(save_model(engine, rank, stage, os.path.join(root, f"hf{stage}")))
         if stage != 3:  # DeepSpeed's method applies where weights are partitioned only
             try:
                 engine._consolidated_16bit_state_dict()
@@ -247,21 +247,26 @@ def case_sleep(stage: int) -> Callable[[int, int], Dict[str, Any]]:
     return run
 
 
-def save_model(engine, rank: int, stage: int, out_dir: str) -> bool:
-    """OpenRLHF's ``save_model`` (no tokenizer). At stages 1-2 it reads ``state_dict()`` on
-    every rank and again on rank 0 alone (its key check); at stage 3 that rank-0-only read
-    gathers (see docs/zero.md) and is left out here."""
+def save_model(engine, rank: int, stage: int, out_dir: str) -> Dict[str, Any]:
+    """OpenRLHF's ``save_model`` (no tokenizer): the weights from
+    ``_consolidated_16bit_state_dict()`` (stage 3) or ``state_dict()`` on every rank, then on
+    rank 0 alone its key check (``model.state_dict().keys()``, local as in DeepSpeed: at
+    stage 3 the partitioned parameters are empty placeholders) and ``save_pretrained``, then
+    the barrier every rank meets."""
     if stage == 3:
         state = engine._consolidated_16bit_state_dict()
     else:
         from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
         state = clone_tensors_for_torch_save(engine.module.state_dict())
+    empty = []
     if rank == 0:
-        if stage != 3:
-            assert set(engine.module.state_dict()) <= set(state)
+        local = engine.module.state_dict()
+        empty = sorted(k for k, v in local.items() if v.numel() == 0)
+        assert set(local.keys()).issubset(set(state.keys()))
         engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         engine.module.config.to_json_file(os.path.join(out_dir, "config.json"))
-    return state is not None
+    torch.distributed.barrier()
+    return {"saved": state is not None, "placeholders": empty}
 
 
 def case_gathered_state_dict(rank: int, world: int) -> Dict[str, Any]:
@@ -275,9 +280,13 @@ def case_gathered_state_dict(rank: int, world: int) -> Dict[str, Any]:
     with deepspeed.zero.GatheredParameters(params):
         if rank == 0:
             shapes = {k: list(v.shape) for k, v in engine.module.state_dict().items()}
-    full = engine.module.state_dict()  # every rank: a collective, as before
+    full = engine.module.state_dict()  # local, as DeepSpeed's: placeholders outside the block
+    from shardtrain.zero import set_state_dict_gather
+    set_state_dict_gather(engine.module, True)  # shardtrain's: every rank gathers the values
+    gathered = {k: list(v.shape) for k, v in engine.module.state_dict().items()}
     engine.destroy()
-    return {"shapes": shapes, "full": sorted(full), "to_fetch": to_fetch, "params": len(params)}
+    return {"shapes": shapes, "full": sorted(full), "to_fetch": to_fetch, "params": len(params),
+            "outside": {k: list(v.shape) for k, v in full.items()}, "gathered": gathered}
 
 
 def z3_params_to_fetch(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:

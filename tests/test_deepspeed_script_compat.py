@@ -165,7 +165,9 @@ API: List[Api] = [
         "(or the deprecated `deepscale_config`), `config=` or `config_params=`. `mpu=` brings the "
         "caller's data- and model-parallel groups; `mesh_param` raises NotImplementedError (the "
         "config's sizes build the mesh). No model, no config or two configs at once: "
-        "`InitializeError`, a `ValueError` and, as DeepSpeed's, an `AssertionError`"),
+        "`InitializeError`, a `ValueError` and, as DeepSpeed's, an `AssertionError`. The engine's "
+        "ZeRO-3 `module.state_dict()` is DeepSpeed's: local, partitioned parameters as empty "
+        "placeholders (shardtrain's own `initialize` gathers the values)"),
     Api("init_distributed", "supported",
         "DeepSpeed's signature; joins from torchrun's, SLURM's or OpenMPI's variables (no mpi4py), "
         "adopts an initialised group, a world of one without a launcher"),
@@ -473,7 +475,8 @@ API: List[Api] = [
     Api("Engine.save_16bit_model", "supported",
         "full weights from every stage (gathered at stage 3); `*.safetensors` writes safetensors"),
     Api("Engine.save_fp16_model", "supported", "the deprecated name of `save_16bit_model`"),
-    Api("Engine.module_state_dict", "supported", "`engine.module.state_dict()`: full weights at every stage"),
+    Api("Engine.module_state_dict", "supported", "`engine.module.state_dict()` (at stage 3: as "
+        "`initialize` built the engine, local placeholders or the gathered full weights)"),
     Api("Engine.load_module_state_dict", "supported", "`engine.module.load_state_dict(sd)`: at every stage"),
     Api("Engine.deepspeed_io", "planned", "`initialize(training_data=...)` builds the loader"),
     Api("Engine.compile", "supported", "`compile(backend=None, compile_kwargs=None)`; refused "

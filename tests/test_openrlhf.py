@@ -54,6 +54,9 @@ def test_save_model_writes_what_from_pretrained_loads(run, ref, stage):
     root, _ = run
     saved = [result(run, f"train{stage}", rank)["saved"] for rank in range(WORLD)]
     assert saved == ([True, False] if stage == 3 else [True, True])
+    # rank 0 read state_dict() alone: local, partitioned parameters as placeholders (stage 3)
+    empty = result(run, f"train{stage}", 0)["placeholders"]
+    assert empty == (sorted(ref["state"]) if stage == 3 else [])
     from transformers import LlamaForCausalLM
     loaded = LlamaForCausalLM.from_pretrained(root / f"hf{stage}")
     state = loaded.state_dict()
@@ -104,7 +107,10 @@ def test_state_dict_on_rank_0_alone_inside_gathered_parameters(run, ref):
     assert got["shapes"] == {k: list(v.shape) for k, v in ref["state"].items()}
     assert result(run, "gathered_state_dict", 1)["shapes"] == {}
     for rank in range(WORLD):
-        assert result(run, "gathered_state_dict", rank)["full"] == sorted(ref["state"])
+        got = result(run, "gathered_state_dict", rank)
+        assert got["full"] == sorted(ref["state"])
+        assert set(map(tuple, got["outside"].values())) == {(0,)}  # DeepSpeed's placeholders
+        assert got["gathered"] == {k: list(v.shape) for k, v in ref["state"].items()}
 
 
 def test_deepcompile_runs_eagerly_and_says_so_once_on_rank_0(run, ref):

@@ -273,7 +273,8 @@ class DeepSpeedEngineAPI:
         return self.save_16bit_model(save_dir, save_filename)
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """``engine.module.state_dict()``: full weights at every stage."""
+        """``engine.module.state_dict()`` (at stage 3 gathered, or DeepSpeed's local
+        placeholders: see ``shardtrain.zero.set_state_dict_gather``)."""
         return self.module.state_dict(destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
 

@@ -2,7 +2,8 @@
 alias is installed (``shardtrain deepspeed-alias install``).
 
 Every name is shardtrain's own object (``deepspeed.DeepSpeedEngine is shardtrain.Engine``,
-``deepspeed.zero.ZeroParamStatus is shardtrain.zero.ZeroParamStatus``), laid out by
+``deepspeed.zero.ZeroParamStatus is shardtrain.zero.ZeroParamStatus``; ``initialize`` is
+shardtrain's, with DeepSpeed's local ZeRO-3 ``state_dict()`` on the engine it builds), laid out by
 DeepSpeed 0.19.8's module paths so that libraries which import deepspeed themselves (the
 Hugging Face Trainer, Accelerate, Lightning) and DeepSpeed's example scripts run unchanged.
 A DeepSpeed name shardtrain does not implement fails where it is used, with the feature it
@@ -16,8 +17,12 @@ Example:
     >>> engine, optimizer, _, scheduler = deepspeed.initialize(
     ...     model=model, model_parameters=model.parameters(), config="ds_config.json")
 """
+from typing import Any, Tuple
+
 from .. import Engine as DeepSpeedEngine
-from .. import add_config_arguments, init_distributed, initialize
+from .. import add_config_arguments, init_distributed
+from .. import initialize as _initialize
+from ..zero import set_state_dict_gather
 from ..cli import DEEPSPEED_VERSION, alias_version
 from ..log import log_dist, log_dist_once, logger
 from . import (accelerator, checkpoint, comm, compression, launcher, moe, module_inject, ops,
@@ -32,6 +37,19 @@ from .runtime.base_optimizer import DeepSpeedOptimizer
 from .runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from .runtime.engine import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
 from .utils import OnDevice
+
+
+
+def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
+    """``shardtrain.initialize`` with DeepSpeed's ZeRO-3 ``module.state_dict()``: local, the
+    partitioned parameters as empty placeholders (whole inside ``GatheredParameters``), so that
+    code written for DeepSpeed may read it on one rank alone (OpenRLHF's ``save_model`` reads
+    its keys on rank 0). shardtrain's own ``initialize`` gathers the full values instead
+    (``shardtrain.zero.set_state_dict_gather`` switches either engine)."""
+    engine, optimizer, loader, scheduler = _initialize(*args, **kwargs)
+    set_state_dict_gather(engine.module, False)
+    return engine, optimizer, loader, scheduler
+
 
 __version__ = alias_version()
 version = __version__

@@ -3,7 +3,8 @@
 Public: :class:`Init` (build a model already partitioned, for stage 3),
 :class:`GatheredParameters` (gather partitioned parameters for a ``with`` block),
 :class:`ZeroParamStatus`, and the leaf-module marks of :mod:`shardtrain.zero.leaf`
-(``set_z3_leaf_modules`` and friends: modules stage 3 gathers whole), and
+(``set_z3_leaf_modules`` and friends: modules stage 3 gathers whole),
+:func:`set_state_dict_gather` (whether ``module.state_dict()`` gathers at stage 3), and
 :mod:`shardtrain.zero.values`: how other rooms read and write a partitioned parameter's
 values (where it lives is :func:`shardtrain.layout.layout_of`'s record).
 
@@ -12,6 +13,7 @@ per engine, assembled per stage from private parts (a gradient reducer, an optim
 an after-step gatherer and, at stage 3, a parameter schedule) that move data with the free
 functions of ``_collectives``.
 """
+from ._access import set_state_dict_gather
 from ._groups import GATHERING
 from ._params import GatheredParameters, ZeroParamStatus
 from . import values  # noqa: F401  (shardtrain.zero.values, public)
@@ -21,4 +23,4 @@ from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules
 
 __all__ = ["Init", "GatheredParameters", "GATHERING", "ZeroParamStatus", "set_z3_leaf_modules",
            "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "z3_leaf_module", "get_z3_leaf_modules"]
+           "z3_leaf_module", "get_z3_leaf_modules", "set_state_dict_gather"]

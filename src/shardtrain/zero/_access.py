@@ -6,7 +6,8 @@ read outside the forward of a module that owns it (a tied head used in a custom 
 parent reading a child's weight), and whose ``_save_to_state_dict``/``_load_from_state_dict``
 gather the module's groups so that ``state_dict()`` holds full values and
 ``load_state_dict()`` writes full values into the shards (``state_dict()`` reads groups that
-are whole already, inside ``GatheredParameters``, without gathering). The handle returned by
+are whole already, inside ``GatheredParameters``, without gathering; with
+:func:`set_state_dict_gather` off it gathers nothing, as DeepSpeed's). The handle returned by
 :func:`install` puts the original class back.
 """
 from __future__ import annotations
@@ -61,8 +62,28 @@ def _zero_getattr(self, name: str):
     return value
 
 
+def set_state_dict_gather(module: torch.nn.Module, gather: bool) -> None:
+    """What ``module.state_dict()`` gives at ZeRO stage 3 for the engine's partitioned
+    parameters: their full values on every rank's host, a collective every rank must join
+    (``gather=True``, shardtrain's default), or DeepSpeed's: the local tensors, with empty
+    placeholders for partitioned parameters (whole ones inside ``GatheredParameters``), so
+    that one rank may ask alone (``gather=False``; what engines built through the
+    ``deepspeed`` alias do). ``load_state_dict()`` writes full values either way.
+
+    Example:
+        >>> shardtrain.zero.set_state_dict_gather(engine.module, False)
+        >>> if rank == 0:
+        ...     names = set(engine.module.state_dict())     # no collective
+    """
+    for m in module.modules():
+        owner = m.__dict__.get("_zero_units")
+        if owner is not None:
+            owner.gather_state_dict = gather
+
+
 def _zero_save(self, destination, prefix, keep_vars):
-    if keep_vars:  # the parameters themselves are asked for, not their values: no gather
+    if keep_vars or not getattr(self._zero_units, "gather_state_dict", True):
+        # the parameters themselves are asked for, or DeepSpeed's local state_dict: no gather
         return super(type(self), self)._save_to_state_dict(destination, prefix, keep_vars)
     # Groups whose parameters are all whole already (inside GatheredParameters entered on
     # every rank, or a running forward) are read as they are: no collective, so one rank may

@@ -59,6 +59,7 @@ class GatherSchedule:
         self.max_live = int(zero.max_live_parameters)
         self.max_reuse = int(zero.max_reuse_distance)
         self.weights_written = weights_written
+        self.gather_state_dict = True  # state_dict() gathers (see _access.set_state_dict_gather)
         self.window = Window.OUTSIDE
         self._trace: List[ParamGroup] = []
         self._module_pos: Dict[int, int] = {}  # where each module's forward began in _trace
