@@ -479,13 +479,17 @@ API: List[Api] = [
         "`initialize` built the engine, local placeholders or the gathered full weights)"),
     Api("Engine.load_module_state_dict", "supported", "`engine.module.load_state_dict(sd)`: at every stage"),
     Api("Engine.deepspeed_io", "planned", "`initialize(training_data=...)` builds the loader"),
-    Api("Engine.compile", "supported", "`compile(backend=None, compile_kwargs=None)`; refused "
-        "(NotImplementedError) while `compile.deepcompile` is true"),
+    Api("Engine.compile", "supported", "`compile(backend=None, compile_kwargs=None, "
+        "schedule=None)`; with `compile.deepcompile` true, DeepCompile at stages 1-3: ZeRO's "
+        "collectives inside the compiled graphs, a schedule of passes by name (`z1`, `z3`, "
+        "`prefetch`, `selective_gather`, `offload_opt_states`; DeepSpeed takes pass functions), "
+        "on the CPU too ([performance.md](performance.md#deepcompile))"),
+    Api("Engine.launch_compile_passes", "supported", "forward calls it: the schedule's passes "
+        "for `global_steps`"),
     Api("Engine.is_compiled", "supported", ""),
     Api("Engine.is_deepcompile_enabled", "supported", "`compile.deepcompile`"),
-    Api("Engine.is_deepcompile_active", "differs",
-        "always False: `engine.compile()` refuses DeepCompile (`compile.deepcompile` true), so "
-        "the module runs eagerly, as DeepSpeed's does until its `compile()`"),
+    Api("Engine.is_deepcompile_active", "supported", "true once `engine.compile()` applied "
+        "DeepCompile"),
     Api("Engine.destroy", "supported",
         "removes the engine's gradient hooks and releases stage-3 parameters; the process "
         "group stays (`deepspeed.comm.destroy_process_group()` ends it)"),

@@ -265,8 +265,8 @@ class DeepSpeedEngineAPI:
         return bool(self.config.compile.deepcompile)
 
     def is_deepcompile_active(self) -> bool:
-        """Whether DeepCompile's passes run: never here (``engine.compile()`` refuses them)."""
-        return False
+        """Whether DeepCompile's passes run (``engine.compile()`` applied them)."""
+        return self.deepcompile is not None
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """The deprecated name of ``save_16bit_model``."""

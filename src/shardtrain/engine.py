@@ -27,6 +27,7 @@ from .comm import CollectiveBounds
 from ._engine_compat import DeepSpeedEngineAPI, lend_state_moves
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
+from .deepcompile import DeepCompile
 from .errors import GradientsUnavailableError, StepOrderError, UnusedParametersError
 from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
@@ -66,6 +67,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.module = model
         self.config = config
         self._compiled: Optional[Callable] = None
+        self._deepcompile: Optional[DeepCompile] = None  # compile() with compile.deepcompile
         _apply_logging_keys(config)
         checkpointing.configure(config=config.activation_checkpointing)
         self.global_rank = comm.get_rank()
@@ -223,6 +225,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 self._watch.forward(inputs, kwargs):
             inputs, kwargs = self._prepare_inputs(inputs, kwargs)
             grad_on = torch.is_grad_enabled()
+            if self._deepcompile is not None:
+                self.launch_compile_passes(self.global_steps)
+                if grad_on:
+                    self._deepcompile.before_forward(self.optimizer)
             if grad_on:
                 self._bounds.enter_step()
                 self._strategy.begin_forward()
@@ -434,6 +440,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if overflow:
             self.train_state.skipped_steps += 1
         else:
+            self._bring_back_compiled_offload()  # DeepCompile's offload_opt_states
             self.optimizer.step()
             self._strategy.after_step()  # 16-bit copies refreshed, shards all-gathered
             if self.lr_scheduler is not None:
@@ -798,7 +805,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                             "optimizer": states})
 
     def compile(self, backend: Optional[str] = None,
-                compile_kwargs: Optional[Dict[str, Any]] = None) -> None:
+                compile_kwargs: Optional[Dict[str, Any]] = None,
+                schedule: Optional[List[Any]] = None) -> None:
         """Compiles the module with ``torch.compile``; forward and backward then run the
         compiled graphs. Defaults come from the config's ``compile`` block.
 
@@ -807,22 +815,87 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         modules inside an ``nn.ModuleList`` or ``nn.Sequential``) is compiled on its own and
         its parameters are gathered as one unit around it, so no gather breaks a graph.
 
-        Raises:
-            NotImplementedError: ``compile.deepcompile`` is true (DeepCompile's compiled ZeRO
-                passes are not available; the module keeps running eagerly).
+        With ``compile.deepcompile`` true (stages 1-3), DeepCompile: ZeRO's collectives go
+        inside the compiled graphs (stage 3's all-gathers before first use and again in
+        backward, the gradients' reduce-scatter or all-reduce as backward produces them), and
+        the passes of ``schedule`` apply from the steps it names (:mod:`shardtrain.deepcompile`).
+
+        Args:
+            backend: ``torch.compile``'s backend (default ``compile.backend``).
+            compile_kwargs: other ``torch.compile`` arguments (over ``compile.kwargs``).
+            schedule: DeepCompile only: ``[(step, [passes]), ...]`` from step 0 (default:
+                stage 3 ``[(0, ["z3"]), (5, ["z3", "prefetch", "selective_gather"])]``,
+                stages 1-2 ``[(0, ["z1"])]``).
 
         Example:
             >>> engine.compile(backend="inductor", compile_kwargs={"mode": "default"})
         """
-        if self.config.compile.deepcompile:
-            raise NotImplementedError(
-                "engine.compile() with compile.deepcompile true: DeepCompile's compiled ZeRO "
-                "passes are not available in this engine. Set compile.deepcompile false to use "
-                "per-block torch.compile, which engine.compile() does then; meanwhile the "
-                "module runs eagerly.")
         options = {**self.config.compile.kwargs, **(compile_kwargs or {})}
         backend = backend or self.config.compile.backend
+        if self.config.compile.deepcompile:
+            self._check_deepcompile()
+            self._deepcompile = DeepCompile(self._strategy, self._strategy.stage, backend,
+                                            options, schedule,
+                                            bool(self.config.compile.offload_opt_states))
+            self._compiled = self._deepcompile.forward
+            return
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...) schedules DeepCompile's passes: set "
+                             "compile.deepcompile true, or leave schedule out.")
         self._compiled = self._strategy.compile(self.module, backend, options)
+
+    def _check_deepcompile(self) -> None:
+        """What DeepCompile does not compose with here, refused by name before anything
+        changes."""
+        zero, mesh = self.config.zero_optimization, self.mesh
+        params = [p for p in self._strategy.params if p.is_floating_point()]
+        dtype = params[0].dtype if params else torch.float32
+        problems = []
+        if zero.stage == 0:
+            problems.append("zero_optimization.stage 0 (DeepCompile needs ZeRO stage 1-3, as "
+                            "DeepSpeed's)")
+        if mesh.tp.size() > 1 or mesh.sp.size() > 1:
+            problems.append("tensor or sequence parallelism (their layers' collectives are not "
+                            "traced into the compiled ZeRO graphs)")
+        if zero.offload_param is not None and zero.offload_param.device != "none":
+            problems.append("zero_optimization.offload_param (a shard in host memory cannot be "
+                            "gathered inside the graph)")
+        if self.config.comm_dtype() not in (dtype, None):
+            problems.append(f"communication_data_type {self.config.comm_dtype()} (the graphs "
+                            f"reduce gradients in the parameters' {dtype})")
+        block = self.config.compile
+        for key in ("offload_activation", "offload_parameters", "symmetric_memory"):
+            if getattr(block, key):
+                problems.append(f"compile.{key} true (not provided by the compiled ZeRO here)")
+        base = "z3" if zero.stage == 3 else "z1"
+        if block.passes is not None and list(block.passes) != [base]:
+            problems.append(f"compile.passes {list(block.passes)} (at ZeRO stage {zero.stage} "
+                            f"the base pass is [{base!r}]; autosp and autotp are not provided)")
+        if self.config.data_types.grad_accum_dtype not in (None, dtype):
+            problems.append("data_types.grad_accum_dtype (the graphs' gradients accumulate in "
+                            "the parameters' dtype)")
+        if problems:
+            raise NotImplementedError(
+                "engine.compile() with compile.deepcompile true does not compose with "
+                + "; ".join(problems) + ". Set compile.deepcompile false for per-block "
+                "torch.compile, or change the config.")
+
+    def launch_compile_passes(self, global_steps: int) -> None:
+        """DeepCompile: applies the passes the schedule gives ``global_steps`` (the next
+        forward compiles anew when they change); forward calls it. Nothing without
+        DeepCompile."""
+        if self._deepcompile is not None:
+            self._deepcompile.launch(global_steps)
+
+    @property
+    def deepcompile(self) -> Optional[DeepCompile]:
+        """DeepCompile's schedule and compiled module once ``engine.compile()`` applied it
+        (``compile.deepcompile`` true), else None."""
+        return self._deepcompile
+
+    def _bring_back_compiled_offload(self) -> None:
+        if self._deepcompile is not None:
+            self._deepcompile.bring_back()
 
     @property
     def is_compiled(self) -> bool:
@@ -880,6 +953,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if self._phase is Phase.DESTROYED:
             return
         self._offloaded.reload()  # the model is left usable
+        self._bring_back_compiled_offload()
         self._strategy.release_all()
         self._strategy.remove_hooks()
         self._load_hook.remove()
@@ -932,6 +1006,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if self._phase is not Phase.IDLE:
             raise StepOrderError(f"engine.offload_states() during {self._phase.value}: call it "
                                  "between training steps.")
+        self._bring_back_compiled_offload()  # one owner of what is on the host
         if "lp_params" in kinds:
             self._strategy.release_all()  # stage 3: nothing gathered stays on the device
         self._offloaded.offload(self._model_states(), kinds,
@@ -1053,6 +1128,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """
         self._require_alive("save_checkpoint()")
         self._require_on_device("save_checkpoint()")
+        self._bring_back_compiled_offload()
         return _ckpt.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                      exclude_frozen_parameters)
 
@@ -1094,6 +1170,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """
         self._require_alive("load_checkpoint()")
         self._require_on_device("load_checkpoint()")
+        self._bring_back_compiled_offload()
         path, client_state = _ckpt.load_universal(
             self, load_dir, tag, load_module_strict, load_optimizer_states,
             load_lr_scheduler_states, load_module_only,

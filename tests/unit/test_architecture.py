@@ -55,7 +55,7 @@ def test_only_comm_talks_to_torch_distributed():
 #: around every collective (SIGTERM's hold, this rank's trail, timing, the failure report, the
 #: divergence check), and the collectives last.
 COMM_ORDER = ["_trail", "_roll_call", "_process", "_groups", "_bounds", "_sigterm", "_tracing",
-              "_timing", "_report", "_divergence", "_ops"]
+              "_timing", "_report", "_divergence", "_ops", "_traced"]
 
 
 def test_comm_imports_go_one_way():

@@ -24,7 +24,9 @@ live in one place:
   when one fails;
 * :mod:`._divergence`: the divergence check (:func:`set_check`, :func:`check_agreement`,
   :class:`DivergenceError`);
-* :mod:`._ops`: the collectives.
+* :mod:`._ops`: the collectives;
+* :mod:`._traced`: :class:`InGraph`, the collectives ``torch.compile`` traces into its
+  graphs (torch's functional collectives, for DeepCompile).
 
 Imports go one way, in that order: each module imports only those above it.
 
@@ -50,6 +52,7 @@ from ._process import (FLIGHT_RECORDER_ENV, LaunchEnv, available_backends, befor
 from ._report import CollectiveError
 from ._roll_call import process_gone
 from ._timing import CollectiveTiming, time_collectives
+from ._traced import InGraph
 from ._tracing import keep_trail, labelled, mark, set_position, trail, trail_dir
 from ._trail import Entry as TrailEntry
 from ._trail import first_difference
@@ -67,5 +70,5 @@ __all__ = [
     "FLIGHT_RECORDER_ENV",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
     "before_destroy", "MESH_DIMS", "Mesh", "init_mesh", "CollectiveTiming", "time_collectives",
-    "CollectiveBounds", "TrailEntry", "read_trail", "first_difference", "process_gone",
+    "CollectiveBounds", "TrailEntry", "read_trail", "first_difference", "process_gone", "InGraph",
 ]

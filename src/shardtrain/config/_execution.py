@@ -39,12 +39,15 @@ class CompileConfig(_ConfigModel):
     kwargs: Dict[str, Any] = Field(default_factory=dict, description="other torch.compile arguments")
 
     # DeepCompile (DeepSpeed's compiled ZeRO passes). With deepcompile false DeepSpeed reads none
-    # of the keys below, nor does shardtrain. With deepcompile true DeepSpeed runs eagerly until
-    # engine.compile() is called, and so does shardtrain, whose engine.compile() then refuses
-    # (the passes are not available): what the keys tune never runs, so every value is accepted.
+    # of the keys below, nor does shardtrain. With deepcompile true the module runs eagerly until
+    # engine.compile(), which puts ZeRO's collectives in the compiled graphs (shardtrain.deepcompile);
+    # offload_opt_states adds its pass; what the compiled graphs do anyway is accepted (free_activation:
+    # inductor frees each buffer after its last use), and what this engine cannot do is refused by
+    # engine.compile() with the reason (offload_activation, offload_parameters, symmetric_memory).
     deepcompile: _Bool = Field(
-        False, description="DeepCompile: the module runs eagerly (logged once, rank 0) and "
-                           "engine.compile() is refused")
+        False, description="DeepCompile: engine.compile() puts ZeRO's all-gathers and gradient "
+                           "reductions inside the compiled graphs (stages 1-3); until then the "
+                           "module runs eagerly (logged once, rank 0)")
     autoep_non_moe: _Bool = Field(False, description="DeepCompile: compile AutoEP layers' parents")
     free_activation: _Bool = Field(False, description="DeepCompile: free activations eagerly")
     free_activation_threshold: _Int = Field(
@@ -52,7 +55,9 @@ class CompileConfig(_ConfigModel):
     offload_activation: _Bool = Field(False, description="DeepCompile: offload activations")
     offload_activation_pin_memory: _Bool = Field(
         True, description="DeepCompile: pin activation offload buffers")
-    offload_opt_states: _Bool = Field(False, description="DeepCompile: offload optimizer states")
+    offload_opt_states: _Bool = Field(
+        False, description="DeepCompile: optimizer states in host memory from each step's first "
+                           "forward to its optimizer step (the offload_opt_states pass)")
     double_buffer: _Bool = Field(True, description="DeepCompile: double buffering")
     symmetric_memory: _Bool = Field(False, description="DeepCompile: symmetric memory")
     debug_log: _Bool = Field(False, description="DeepCompile: graph dumping")
@@ -66,4 +71,5 @@ class CompileConfig(_ConfigModel):
     keep_all_input_tensors: _Bool = Field(
         False, description="DeepCompile: keep all input tensors' values")
     passes: Optional[List[_Str]] = Field(
-        None, description="DeepCompile: the passes to compose (z1, z3, autosp, autotp)")
+        None, description="DeepCompile: the base pass (z1 at stages 1-2, z3 at stage 3; "
+                          "autosp and autotp are refused)")

@@ -123,18 +123,29 @@ NO_EFFECT: Dict[str, str] = {
     "autotuning.model_info.num_layers": "informational: the profile measures what the autotuner needs",
 }
 
-#: DeepCompile's tuning keys: they tune the compiled ZeRO passes, which never run here (with
-#: compile.deepcompile true the module runs eagerly, as DeepSpeed's does until engine.compile(),
-#: and engine.compile() is refused), so any value is accepted and changes nothing.
-_DEEPCOMPILE_TUNING = (
-    "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
-    "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory",
-    "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
-    "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
-    "keep_all_input_tensors", "passes",
-)
-NO_EFFECT.update({f"compile.{key}": "tunes DeepCompile's compiled ZeRO passes, which do not run "
-                  "here (see compile.deepcompile)" for key in _DEEPCOMPILE_TUNING})
+#: DeepCompile's tuning keys of DeepSpeed's own machinery (its buffers, stream syncs, input
+#: profiling, AutoEP), which shardtrain's compiled ZeRO (shardtrain.deepcompile) does not have:
+#: accepted and changing nothing. free_activation is what the compiled graphs do anyway (inductor
+#: frees each buffer after its last use); offload_activation, offload_parameters and
+#: symmetric_memory true are refused by engine.compile() with deepcompile true.
+_DEEPCOMPILE_TUNING = {
+    "autoep_non_moe": "AutoEP is not provided, so there are no AutoEP layers to compile apart",
+    "free_activation": "the compiled graphs free every activation after its last use anyway",
+    "free_activation_threshold": "the compiled graphs free every activation after its last use",
+    "offload_activation": "refused by engine.compile() when true with deepcompile true",
+    "offload_activation_pin_memory": "only read with offload_activation, which is refused",
+    "double_buffer": "tunes DeepSpeed's own prefetch buffers; the compiled graphs allocate their own",
+    "symmetric_memory": "refused by engine.compile() when true with deepcompile true",
+    "debug_log": "DeepSpeed's graph dumps; TORCH_LOGS=graph_code shows the compiled graphs",
+    "offload_parameters": "refused by engine.compile() when true with deepcompile true",
+    "sync_before_reduce": "the graphs' collectives are ordered on the compute stream",
+    "sync_after_reduce": "the graphs' collectives are ordered on the compute stream",
+    "sync_before_allgather": "the graphs' collectives are ordered on the compute stream",
+    "sync_after_allgather": "the graphs' collectives are ordered on the compute stream",
+    "keep_int_input_tensors": "DeepSpeed's input profiling; the compiled graphs take real inputs",
+    "keep_all_input_tensors": "DeepSpeed's input profiling; the compiled graphs take real inputs",
+}
+NO_EFFECT.update({f"compile.{key}": why for key, why in _DEEPCOMPILE_TUNING.items()})
 
 #: Keys DeepSpeed removed: dotted key -> what to use instead. Their presence alone is an error.
 REMOVED_KEYS: Dict[str, str] = {

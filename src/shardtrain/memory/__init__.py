@@ -6,7 +6,8 @@ them, how far a block of code raised memory, and byte sizes as people write and 
   (:class:`BytesPerParam`, :func:`bytes_per_param`, :func:`estimate_model_states`);
 * :mod:`._offload`: :class:`StateOffload`, model states moved to host memory and back in
   place (``engine.offload_states()``);
-* :mod:`._peak`: :func:`peak_memory`, the host's and the device's peak over a block;
+* :mod:`._peak`: :func:`peak_memory`, the host's and the device's peak over a block, and
+  :func:`resident_bytes`, the host's now;
 * :mod:`._sizes`: :func:`parse_size` (``20GiB`` in options and environment variables) and
   :func:`format_bytes` (``1.5 GiB`` in log lines and tables).
 
@@ -21,9 +22,9 @@ from ..files import write_weights
 from ._model_states import (BytesPerParam, bytes_per_param, count_bytes, estimate_model_states,
                             zero_formula_bytes)
 from ._offload import STATE_KINDS, StateOffload
-from ._peak import peak_memory
+from ._peak import peak_memory, resident_bytes
 from ._sizes import format_bytes, parse_size
 
 __all__ = ["count_bytes", "zero_formula_bytes", "BytesPerParam", "bytes_per_param",
            "estimate_model_states", "STATE_KINDS", "StateOffload", "write_weights",
-           "peak_memory", "format_bytes", "parse_size"]
+           "peak_memory", "resident_bytes", "format_bytes", "parse_size"]

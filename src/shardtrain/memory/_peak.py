@@ -7,7 +7,7 @@ from typing import Dict, Iterator, Optional
 
 from .. import accelerator
 
-__all__ = ["peak_memory"]
+__all__ = ["peak_memory", "resident_bytes"]
 
 
 @contextlib.contextmanager
@@ -34,6 +34,11 @@ def peak_memory(interval: float = 0.0005) -> Iterator[Dict[str, Optional[int]]]:
         top = sampler.stop() if sampler is not None else None
         result["host"] = None if top is None else max(top - start, 0)
         result["device"] = max(accelerator.memory_stats().get("peak", device_start) - device_start, 0)
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's anonymous resident memory now (Linux's ``RssAnon``; None elsewhere)."""
+    return _anonymous()
 
 
 def _anonymous() -> Optional[int]:

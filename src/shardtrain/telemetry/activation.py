@@ -72,7 +72,10 @@ class SavedTensorMeter:
         if t.is_sparse or t.device.type == "meta":
             return t
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        try:
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a tensor being traced by torch.compile has no memory to count
+            return t
         if ptr == 0 or ptr in self._excluded:
             return t
         start = t.storage_offset() * t.element_size()

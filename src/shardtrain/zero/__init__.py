@@ -15,6 +15,7 @@ functions of ``_collectives``.
 """
 from ._access import set_state_dict_gather
 from ._groups import GATHERING
+from ._in_graph import PASSES, gathered_bytes
 from ._params import GatheredParameters, ZeroParamStatus
 from . import values  # noqa: F401  (shardtrain.zero.values, public)
 from .init import Init
@@ -23,4 +24,5 @@ from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules
 
 __all__ = ["Init", "GatheredParameters", "GATHERING", "ZeroParamStatus", "set_z3_leaf_modules",
            "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "z3_leaf_module", "get_z3_leaf_modules", "set_state_dict_gather"]
+           "z3_leaf_module", "get_z3_leaf_modules", "set_state_dict_gather", "PASSES",
+           "gathered_bytes"]

@@ -40,11 +40,13 @@ Grads = List[Optional[torch.Tensor]]
 
 
 class GradientHolder(Protocol):
-    """Where gradients go between backward and the step: :class:`FullGrads` (stages 0-1)
-    and :class:`ShardedGrads` (stages 2-3) answer the same calls, in this order."""
+    """Where gradients go between backward and the step: :class:`FullGrads` (stages 0-1),
+    :class:`ShardedGrads` (stages 2-3) and, once DeepCompile reduces them inside the compiled
+    graphs, ``_in_graph.InGraphGrads`` answer the same calls, in this order."""
 
     keeps_full: bool  # a full gradient per parameter lives here between micro-steps
     received: bool    # a gradient arrived since the last :meth:`zero`
+    settings: "ReduceSettings"  # how summed gradients become averages
 
     @property
     def buckets(self) -> List[FlatBucket]:

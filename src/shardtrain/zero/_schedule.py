@@ -100,6 +100,16 @@ class GatherSchedule:
             swap.remove()
         self._swaps.clear()
 
+    def hand_over(self) -> None:
+        """The compiled graphs gather and release from now on (DeepCompile's ``z3``): the
+        forward hooks go; the class swaps stay, for ``state_dict`` and for reads outside a
+        forward, which still gather eagerly."""
+        for handles in self.module_hooks.values():
+            for handle in handles:
+                handle.remove()
+        self.module_hooks.clear()
+        self.release_all()
+
     def of(self, m: torch.nn.Module) -> List[ParamGroup]:
         """The groups gathered for ``m`` (its unit's, or its leaf's)."""
         return self.units.of(m)

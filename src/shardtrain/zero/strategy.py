@@ -36,6 +36,7 @@ import torch
 from ..comm import Group
 from . import _collectives as coll
 from ._gather import SliceGatherer
+from ._in_graph import InGraphForward, InGraphGrads
 from ._groups import partition_model
 from ._optview import OptimizerView, ParamSlot, full_slices
 from ._params import is_partitioned
@@ -174,6 +175,7 @@ class Strategy:
         self._view = view
         self._gatherer = gatherer
         self._schedule = schedule
+        self._in_graph: Optional[InGraphForward] = None  # DeepCompile: collectives in graphs
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # -- optimizer ----------------------------------------------------------------------------
@@ -195,28 +197,32 @@ class Strategy:
 
     # -- forward and backward -----------------------------------------------------------------
 
+    def _hooked_schedule(self) -> Optional[GatherSchedule]:
+        """The stage-3 schedule while its hooks gather (not once the graphs do)."""
+        return self._schedule if self._in_graph is None else None
+
     def begin_forward(self) -> None:
         self._grads.begin_forward()
-        if self._schedule is not None:
+        if self._hooked_schedule() is not None:
             self._schedule.begin_forward()
 
     def end_forward(self, grad_enabled: bool) -> None:
-        if self._schedule is not None:
+        if self._hooked_schedule() is not None:
             self._schedule.end_forward(grad_enabled)
 
     def begin_backward(self, sync: bool) -> None:
         self._grads.begin_backward(sync)
-        if self._schedule is not None:
+        if self._hooked_schedule() is not None:
             self._schedule.begin_backward()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._grads.on_grad(param)
-        if self._schedule is not None:
+        if self._hooked_schedule() is not None:
             self._schedule.on_grad(param)  # its group may be released now
 
     def end_backward(self, accumulation_steps: int) -> None:
         self._grads.end_backward(accumulation_steps)
-        if self._schedule is not None:
+        if self._hooked_schedule() is not None:
             self._schedule.end_backward()
 
     # -- the step -----------------------------------------------------------------------------
@@ -262,6 +268,27 @@ class Strategy:
         if self._schedule is not None:
             return self._schedule.compile(module, backend, options)
         return torch.compile(module, backend=backend, **options)
+
+    def compile_in_graph(self, backend: str, options: dict) -> InGraphForward:
+        """DeepCompile: from now on forward runs the returned callable, whose compiled graphs
+        hold this stage's collectives (:mod:`._in_graph`); gradients come from the graphs,
+        summed, and :meth:`optimizer_grads` averages them as before."""
+        if self.stage == 0:
+            raise NotImplementedError("DeepCompile needs ZeRO stage 1, 2 or 3 (as DeepSpeed's).")
+        if self._in_graph is None:
+            groups = self._schedule.units.groups if self._schedule is not None else []
+            if self._schedule is not None:
+                self._schedule.hand_over()
+            settings = self._grads.settings
+            self._grads.zero()
+            for p in self.params:
+                p.grad = None  # stages 0-1 attach bucket views; the graphs' sums land anew
+            self._grads = InGraphGrads(self.params, self._view.slices, settings)
+            self.supports_no_sync = False
+            whole = [p for p in self.params if not is_partitioned(p)]
+            self._in_graph = InGraphForward(self._module, groups, whole, self._group,
+                                            backend, options)
+        return self._in_graph
 
     def release_all(self) -> None:
         """Frees the gathered parameters no running forward needs (stage 3)."""

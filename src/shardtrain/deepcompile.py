@@ -1,0 +1,167 @@
+"""DeepCompile: ZeRO's collectives compiled into the graphs, and the schedule of passes.
+
+``engine.compile()`` with ``compile.deepcompile`` true hands the forward to the compiled
+module of :mod:`shardtrain.zero._in_graph`, whose traced forward and backward hold the
+stage's all-gathers and reductions. Which passes apply changes with the step, as in
+DeepSpeed: a schedule of ``(step, [passes])``; the engine's forward calls
+:meth:`DeepCompile.launch` (``engine.launch_compile_passes(global_steps)``) first, and at a
+step the schedule names the module is compiled anew with that step's passes.
+
+The passes (:data:`shardtrain.zero.PASSES`):
+
+* ``z3`` (stage 3) / ``z1`` (stages 1-2): the collectives in the graphs (the base; every
+  schedule entry has the stage's one);
+* ``prefetch``: inductor may issue a collective ahead of the computation before it;
+* ``selective_gather`` (stage 3): the groups whose gathered weights fit in what the memory
+  budget leaves after the profiled steps stay gathered from forward to backward (smallest
+  first) instead of being gathered again; the budget is the device's memory (CUDA) or
+  ``SHARDTRAIN_MEMORY_BUDGET``, and the peak is the device's peak allocated bytes (CUDA) or
+  the process's resident memory (CPU), measured over the steps before the pass starts; with
+  neither budget known nothing is kept;
+* ``offload_opt_states``: the optimizer states live in host memory from each step's first
+  forward to its optimizer step (:class:`shardtrain.memory.StateOffload`).
+
+Default schedule: stage 3 ``[(0, ["z3"]), (5, ["z3", "prefetch", "selective_gather"])]``,
+stages 1-2 ``[(0, ["z1"])]``; ``compile.offload_opt_states`` adds ``offload_opt_states`` from
+step 0 on.
+
+Example:
+    >>> engine.compile(schedule=[(0, ["z3"]), (2, ["z3", "selective_gather"])])
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import accelerator
+from .log import log_dist
+from .memory import StateOffload, parse_size, resident_bytes
+from .zero import PASSES, gathered_bytes
+
+__all__ = ["DeepCompile", "WARMUP_STEPS", "default_schedule"]
+
+#: The steps profiled before the later passes start (DeepSpeed's warm-up).
+WARMUP_STEPS = 5
+_BUDGET_ENV = "SHARDTRAIN_MEMORY_BUDGET"
+
+Schedule = List[Tuple[int, FrozenSet[str]]]
+
+
+def default_schedule(stage: int, offload_opt_states: bool = False) -> Schedule:
+    """DeepSpeed's: the base pass from step 0, at stage 3 the later ones after the warm-up."""
+    extra = {"offload_opt_states"} if offload_opt_states else set()
+    if stage == 3:
+        return [(0, frozenset({"z3"} | extra)),
+                (WARMUP_STEPS, frozenset({"z3", "prefetch", "selective_gather"} | extra))]
+    return [(0, frozenset({"z1"} | extra))]
+
+
+def _schedule(given: Optional[Sequence[Tuple[int, Iterable[Any]]]], stage: int,
+              offload_opt_states: bool) -> Schedule:
+    """``engine.compile(schedule=...)`` checked: steps from 0, known passes (by name, or a
+    function of that name), the stage's base pass in every entry."""
+    if given is None:
+        return default_schedule(stage, offload_opt_states)
+    base = "z3" if stage == 3 else "z1"
+    out: Schedule = []
+    for entry in given:
+        step, passes = entry
+        names = frozenset(getattr(p, "__name__", p) for p in passes)
+        unknown = sorted(names - set(PASSES))
+        if unknown:
+            raise ValueError(f"engine.compile(schedule=...): unknown pass(es) {unknown} at step "
+                             f"{step}; the passes are {list(PASSES)}.")
+        if base not in names:
+            raise ValueError(f"engine.compile(schedule=...): step {step} lacks {base!r}, the pass "
+                             f"that puts ZeRO stage {stage}'s collectives in the graphs; add it.")
+        if "selective_gather" in names and stage != 3:
+            raise ValueError("engine.compile(schedule=...): selective_gather keeps stage 3's "
+                             f"gathered weights; at stage {stage} nothing is gathered.")
+        out.append((int(step), names))
+    out.sort(key=lambda item: item[0])
+    if not out or out[0][0] != 0:
+        raise ValueError("engine.compile(schedule=...): the schedule must start at step 0 "
+                         "(e.g. [(0, ['z3'])]).")
+    return out
+
+
+class DeepCompile:
+    """The compiled module of an engine and its pass schedule.
+
+    Args:
+        strategy: the engine's ZeRO strategy (``compile_in_graph`` builds the module).
+        stage: the ZeRO stage.
+        backend, options: ``torch.compile``'s.
+        schedule: ``(step, [passes])`` pairs, or None for :func:`default_schedule`.
+        offload_opt_states: ``compile.offload_opt_states``.
+    """
+
+    def __init__(self, strategy: Any, stage: int, backend: str, options: Dict[str, Any],
+                 schedule: Optional[Sequence[Tuple[int, Iterable[Any]]]] = None,
+                 offload_opt_states: bool = False):
+        self.stage = stage
+        self.schedule = _schedule(schedule, stage, offload_opt_states)
+        self.forward = strategy.compile_in_graph(backend, options)
+        self.active: Optional[FrozenSet[str]] = None
+        self.events: List[Tuple[int, List[str]]] = []  # (step, passes) each time they change
+        self._offload = StateOffload()
+        self._peak = 0
+        accelerator.reset_peak_memory()
+
+    def launch(self, global_steps: int) -> bool:
+        """Applies the passes the schedule gives ``global_steps`` if they changed (the next
+        call compiles anew); True when they did."""
+        self._profile()
+        passes = [p for step, p in self.schedule if step <= global_steps][-1]
+        if passes == self.active:
+            return False
+        kept = self._kept_groups() if "selective_gather" in passes else []
+        self.forward.set_passes(passes, kept)
+        self.active = passes
+        self.events.append((global_steps, sorted(passes)))
+        log_dist(f"DeepCompile: step {global_steps}: passes {sorted(passes)}"
+                 + (f", {len(kept)} group(s) kept gathered" if kept else ""), ranks=[0],
+                 level=logging.INFO)
+        return True
+
+    def _profile(self) -> None:
+        """The peak memory so far (the profiled steps before the later passes)."""
+        stats = accelerator.memory_stats()
+        now = stats.get("peak") if stats else resident_bytes()
+        self._peak = max(self._peak, now or 0)
+
+    def _kept_groups(self) -> List[int]:
+        """The groups ``selective_gather`` keeps gathered: the smallest first, while their
+        gathered bytes fit in the budget minus the profiled peak."""
+        limit = accelerator.total_memory()
+        if limit is None and os.environ.get(_BUDGET_ENV):
+            limit = parse_size(os.environ[_BUDGET_ENV])
+        if limit is None:
+            return []
+        room, kept = limit - self._peak, []
+        sizes = sorted((gathered_bytes(g), i) for i, g in enumerate(self.forward.groups))
+        for size, index in sizes:
+            if size > room:
+                break
+            room -= size
+            kept.append(index)
+        return kept
+
+    # -- offload_opt_states ------------------------------------------------------------------
+
+    def before_forward(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """A forward with gradients starts: with ``offload_opt_states`` the optimizer states
+        leave the device until the optimizer step."""
+        if optimizer is None or self.active is None or "offload_opt_states" not in self.active:
+            return
+        states = [v for s in optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.device.type == accelerator.device_type()]
+        self._offload.offload({"optim_states": states}, ["optim_states"],
+                              pin_memory=accelerator.is_cuda(), non_blocking=True)
+
+    def bring_back(self) -> None:
+        """The optimizer states are needed (the step, a checkpoint): back on the device."""
+        self._offload.reload(non_blocking=True)

@@ -1,0 +1,219 @@
+"""ZeRO's collectives inside the compiled graphs (DeepCompile).
+
+Eager ZeRO moves data from Python hooks: stage 3 gathers a module's parameters in a forward
+pre-hook and releases them after, and every stage reduces gradients from a hook on their
+accumulation. Compiled, the same collectives become nodes of the traced forward and
+backward, through torch's functional collectives (:mod:`shardtrain.comm`'s in-graph ones):
+
+* ``z3`` (stage 3): the module runs with each partitioned parameter replaced by the
+  all-gather of its group's flat shard (``torch.func.functional_call``), so the graph holds
+  one all-gather per group before the parameters' first use, and its backward the
+  reduce-scatter that gives each rank the sum of its shard's gradient, which autograd
+  accumulates into the flat shard itself. Each gather sits in a region whose recomputation
+  is forced (selective activation checkpointing), so the gathered weights are not kept from
+  forward to backward: backward gathers again, as eager ZeRO-3 does, and every full weight
+  is freed after its last use.
+* ``z1`` (stages 1-2, and the parameters stage 3 keeps whole): each parameter enters the
+  graph through an identity whose backward all-reduces (sums) its gradient.
+* ``prefetch``: the compiler may move collectives ahead of the computation before them
+  (inductor's compute/communication reordering), so a gather is issued early.
+* ``selective_gather``: the groups listed in the pass's plan keep their gathered weights
+  from forward to backward instead of gathering again (small ones, within a memory budget).
+
+Gradients land summed (not averaged) in the leaves' ``.grad``; :class:`InGraphGrads` hands
+the optimizer each rank's slice, averaged, through the same :class:`GradientHolder` interface
+eager reduction uses, so the step after it is the eager step.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from ..comm import Group, InGraph
+from ..layout import layout_of
+from ._groups import ParamGroup
+from ._params import is_partitioned
+from ._reduce import ReduceSettings
+
+__all__ = ["PASSES", "InGraphGrads", "InGraphForward", "gathered_bytes"]
+
+#: The passes a schedule may name, in the order they apply.
+PASSES = ("z1", "z3", "prefetch", "selective_gather", "offload_opt_states")
+
+Grads = List[Optional[torch.Tensor]]
+
+
+def _recompute(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _keep(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+class InGraphForward:
+    """What the engine runs forward through once DeepCompile is active: the compiled module
+    with the collectives of ``passes`` in its graphs.
+
+    Args:
+        module: the model.
+        groups: stage 3's parameter groups (empty at stages 1-2).
+        whole: the trainable parameters kept whole (their gradients all-reduced in graph).
+        group: the data-parallel group.
+        backend, options: ``torch.compile``'s.
+    """
+
+    def __init__(self, module: torch.nn.Module, groups: Sequence[ParamGroup],
+                 whole: Sequence[torch.nn.Parameter], group: Group, backend: str,
+                 options: Dict[str, Any]):
+        self.module, self.groups, self.world = module, list(groups), group.size()
+        self.collectives = InGraph(group)
+        self.backend, self.options = backend, dict(options)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.whole = [(names[id(p)], p) for p in whole if id(p) in names]
+        self.placed = [[(names[id(p)], off, chunk, layout_of(p).local_shape)
+                        for p, off, chunk in zip(g.params, g.layout.offsets, g.layout.chunks)
+                        if id(p) in names] for g in self.groups]
+        self.passes: FrozenSet[str] = frozenset()
+        self.kept: FrozenSet[int] = frozenset()  # groups whose gathers are saved (selective_gather)
+        self.compiles: List[Tuple[FrozenSet[str], int]] = []  # (passes, kept groups) per build
+        self._run: Any = None
+        for g in self.groups:
+            g.flat.requires_grad_(True)  # the leaf the reduce-scatter's sum lands in
+
+    def set_passes(self, passes: Iterable[str], kept: Iterable[int] = ()) -> None:
+        """Rebuilds the compiled function with ``passes`` (and the groups ``selective_gather``
+        keeps gathered); the next call traces and compiles anew."""
+        self.passes, self.kept = frozenset(passes), frozenset(kept)
+        options = dict(self.options)
+        if "prefetch" in self.passes and self.backend == "inductor":
+            config = dict(options.get("options") or {})
+            config["reorder_for_compute_comm_overlap"] = True
+            options["options"] = config
+        self._run = torch.compile(_own_code(self._forward), backend=self.backend, **options)
+        self.compiles.append((self.passes, len(self.kept)))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run([g.flat for g in self.groups], [p for _, p in self.whole], args, kwargs)
+
+    def _forward(self, flats: List[torch.Tensor], whole: List[torch.Tensor], args: tuple,
+                 kwargs: dict) -> Any:
+        params: Dict[str, torch.Tensor] = {}
+        if self.placed and "z3" not in self.passes:  # read here: a change of passes retraces
+            raise RuntimeError("DeepCompile at stage 3 runs with the z3 pass")
+        for i, (flat, placed) in enumerate(zip(flats, self.placed)):
+            rows = self._gathered(i, flat).view(self.world, -1)
+            for name, off, chunk, shape in placed:
+                numel = torch.Size(shape).numel()
+                params[name] = rows[:, off: off + chunk].reshape(-1)[:numel].view(shape)
+        for (name, _), p in zip(self.whole, whole):
+            params[name] = self.collectives.sum_grad(p)
+        return torch.func.functional_call(self.module, params, args, kwargs)
+
+    def _gathered(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        policy = _keep if index in self.kept else _recompute
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(self.collectives.gather_rows, flat, use_reentrant=False,
+                          context_fn=context)
+
+
+_CODES = itertools.count()
+
+
+def _own_code(method: Any) -> Any:
+    """``method`` bound to a code object of its own. torch.compile keeps compiled code per code
+    object, with a limit of recompilations (8): every engine's module is another trace, so
+    engines sharing one code object (a test suite, TRL's reference models) would reach it and
+    run uncompiled."""
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_CODES)}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+class InGraphGrads:
+    """The gradients the compiled graphs reduced: stage 3's partitioned parameters' in their
+    groups' flat shards, the others' (all-reduced) in ``.grad``; each rank's slice of each,
+    averaged, for the optimizer.
+
+    Args:
+        params: the trainable parameters, in the strategy's order.
+        slices: this rank's ``(lo, hi)`` of each (what the optimizer updates).
+        settings: the averaging rules.
+    """
+
+    keeps_full = False  # no no_sync(): every backward's gradients are reduced in its graph
+    buckets: List[Any] = []
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], slices: Sequence[Tuple[int, int]],
+                 settings: ReduceSettings):
+        self.params, self.slices, self.settings = list(params), list(slices), settings
+        self.received = False
+        # where each partitioned parameter's shard sits: its group and column offset
+        self._where = {id(p): (g, off) for g in self._groups()
+                       for p, off in zip(g.params, g.layout.offsets)}
+
+    def begin_forward(self) -> None:
+        pass
+
+    def begin_backward(self, sync: bool) -> None:
+        pass
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        self.received = True
+
+    def end_backward(self, accumulation_steps: int) -> None:
+        self.received = self.received or any(
+            g.flat.grad is not None for g in self._groups())
+
+    def grads(self, accumulation_steps: int) -> Grads:
+        """Each parameter's slice of the summed gradient, averaged over ranks and micro-steps
+        (None where it has none)."""
+        factor = self._factor(accumulation_steps)
+        out: Grads = []
+        for p, (lo, hi) in zip(self.params, self.slices):
+            if is_partitioned(p):
+                g, start = self._where[id(p)]
+                if g.flat.grad is None or hi <= lo:
+                    out.append(None)
+                    continue
+                out.append(g.flat.grad[start: start + hi - lo] * factor)
+            else:
+                out.append(None if p.grad is None else p.grad.reshape(-1)[lo:hi] * factor)
+        return out
+
+    def _factor(self, accumulation_steps: int) -> float:
+        world = self.settings.world_size if self.settings.op == "mean" else 1
+        return 1.0 / (world * accumulation_steps)
+
+    def _groups(self) -> List[ParamGroup]:
+        seen: Dict[int, ParamGroup] = {}
+        for p in self.params:
+            if is_partitioned(p):
+                seen.setdefault(id(p.ds_group), p.ds_group)
+        return list(seen.values())
+
+    def accumulated(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        return None
+
+    def zero(self) -> None:
+        for g in self._groups():
+            g.flat.grad = None
+        for p in self.params:
+            p.grad = None
+        self.received = False
+
+    def storage(self) -> List[torch.Tensor]:
+        return [g.flat.grad for g in self._groups() if g.flat.grad is not None] + \
+            [p.grad for p in self.params if p.grad is not None and not is_partitioned(p)]
+
+
+def gathered_bytes(group: ParamGroup) -> int:
+    """The bytes a gathered group takes (its shard row times the ranks)."""
+    return group.layout.row * group.layout.world * group.flat.element_size()

@@ -1,0 +1,208 @@
+"""DeepCompile (``compile.deepcompile`` true, ``engine.compile()``) on every rank of one process
+group, against the eager engine on the same batches: a tiny GPT (tied embedding and head) and a
+two-layer Hugging Face Llama, at ZeRO stages 1-3, with gradient accumulation and clipping.
+
+The graphs are compiled by a recording backend (AOTAutograd, then the graphs run as traced)
+that counts the collectives in each forward and backward graph, so the cases can say what
+each pass put in the graphs; one case compiles with inductor (C++ on the CPU).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+import gpt
+import shardtrain
+from shardtrain import comm
+
+MICRO, ACCUM, STEPS, SEQ = 2, 2, 3, 16
+GATHER = "all_gather_into_tensor"
+SCATTER = "reduce_scatter_tensor"
+ALL_REDUCE = "all_reduce"
+
+
+class Recorder:
+    """A torch.compile backend that records the collectives of each compiled forward and
+    backward graph, then runs the graphs as traced."""
+
+    def __init__(self):
+        self.graphs: List[Dict[str, Any]] = []
+
+    def __call__(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        record: Dict[str, Any] = {}
+        self.graphs.append(record)
+
+        def compiler(kind):
+            def compile_graph(graph, inputs):
+                ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+                record[kind] = {op: sum(op_name.endswith(f"{op}.default") for op_name in ops)
+                                for op in (GATHER, SCATTER, ALL_REDUCE)}
+                return make_boxed_func(graph.forward)
+            return compile_graph
+        # inductor's partitioner, which honours the forced recomputation of the gathers
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+
+
+def gpt_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.gpt_config("tiny", block_size=SEQ))
+
+
+def llama_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+def batches(world: int, vocab: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (MICRO * world, SEQ + 1), generator=g)
+            for _ in range(STEPS * ACCUM)]
+
+
+def config(stage: int, deepcompile: bool, **extra: Any) -> Dict[str, Any]:
+    zero: Dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 64}
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
+           "gradient_clipping": 0.5, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "compile": {"deepcompile": deepcompile}}
+    for key, value in extra.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+def loss_of(engine, ids: torch.Tensor, hf: bool) -> torch.Tensor:
+    if hf:
+        return engine(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+    return engine(ids[:, :-1], ids[:, 1:])
+
+
+def train(engine, rank: int, world: int, hf: bool, steps: range,
+          probe: Optional[Callable[[Any], None]] = None) -> Dict[str, List[float]]:
+    data = batches(world, 64 if hf else 65)
+    losses, norms = [], []
+    for step in steps:
+        for micro in range(ACCUM):
+            ids = data[step * ACCUM + micro][rank * MICRO:(rank + 1) * MICRO]
+            loss = loss_of(engine, ids, hf)
+            engine.backward(loss)
+            if probe is not None and micro == ACCUM - 1:
+                probe(engine)
+            engine.step()
+            losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    return {"losses": losses, "norms": norms}
+
+
+def weights(engine) -> Dict[str, torch.Tensor]:
+    from shardtrain.zero import set_state_dict_gather
+    set_state_dict_gather(engine.module, True)
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def run(stage: int, hf: bool, deepcompile: bool, backend: Any = None, schedule=None,
+        probe=None, **extra: Any) -> Dict[str, Any]:
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = llama_model() if hf else gpt_model()
+    engine, *_ = shardtrain.initialize(model=model, config=config(stage, deepcompile, **extra))
+    if deepcompile:
+        engine.compile(backend=backend, schedule=schedule)
+    out: Dict[str, Any] = train(engine, rank, world, hf, range(STEPS), probe)
+    out["weights"] = weights(engine)
+    if deepcompile:
+        out["events"] = engine.deepcompile.events
+        out["active"] = engine.is_deepcompile_active()
+        out["groups"] = len(engine.deepcompile.forward.groups)
+    engine.destroy()
+    return out
+
+
+def case_parity(stage: int, hf: bool) -> Callable[[int, int], Dict[str, Any]]:
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        recorder = Recorder()
+        schedule = [(0, ["z3"]), (2, ["z3", "selective_gather"])] if stage == 3 else None
+        got = run(stage, hf, True, recorder, schedule)
+        got["graphs"] = recorder.graphs
+        return {"eager": run(stage, hf, False), "compiled": got}
+    return case
+
+
+def case_inductor(rank: int, world: int) -> Dict[str, Any]:
+    """Stage 3 compiled by inductor (C++ on the CPU), against eager."""
+    return {"eager": run(3, False, False), "compiled": run(3, False, True, "inductor")}
+
+
+def case_offload(rank: int, world: int) -> Dict[str, Any]:
+    """offload_opt_states: the optimizer's bytes during forward and backward."""
+    seen: List[int] = []
+    compiled = run(2, False, True, Recorder(), probe=lambda e: seen.append(
+        e.model_state_bytes()["optimizer"]), compile={"offload_opt_states": True})
+    compiled["optimizer_bytes_in_backward"] = seen
+    return {"eager": run(2, False, False), "compiled": compiled}
+
+
+def case_checkpoints(rank: int, world: int) -> Dict[str, Any]:
+    """Two steps compiled, saved, loaded by an eager engine for the third (and the other way
+    round): the uninterrupted run's losses."""
+    root = tempfile.mkdtemp(prefix="deepcompile-") if rank == 0 else ""
+    root = comm.broadcast_object(root)
+    out = {}
+    for first, second, name in ((True, False, "compiled_then_eager"),
+                                (False, True, "eager_then_compiled")):
+        path = os.path.join(root, name)
+        engine, *_ = shardtrain.initialize(model=gpt_model(), config=config(3, first))
+        if first:
+            engine.compile(backend=Recorder())
+        train(engine, rank, world, False, range(2))
+        engine.save_checkpoint(path)
+        engine.destroy()
+        resumed, *_ = shardtrain.initialize(model=gpt_model(), config=config(3, second))
+        if second:
+            resumed.compile(backend=Recorder())
+        resumed.load_checkpoint(path)
+        out[name] = train(resumed, rank, world, False, range(2, 3))["losses"]
+        resumed.destroy()
+    return out
+
+
+def case_refusals(rank: int, world: int) -> Dict[str, str]:
+    out = {}
+    for name, cfg, kwargs in (
+            ("stage0", config(0, True), {}),
+            ("tensor_parallel", config(2, True, tensor_parallel={"autotp_size": 2}), {}),
+            ("bad_pass", config(3, True), {"schedule": [(0, ["z3", "fuse_everything"])]}),
+            ("no_base", config(3, True), {"schedule": [(0, ["prefetch"])]}),
+            ("schedule_without", config(3, False), {"schedule": [(0, ["z3"])]}),
+            ("offload_parameters", config(3, True, compile={"offload_parameters": True}), {}),
+            ("autosp", config(3, True, compile={"passes": ["autosp"]}), {})):
+        try:
+            model = llama_model() if name == "tensor_parallel" else gpt_model()
+            engine, *_ = shardtrain.initialize(model=model, config=cfg)
+            try:
+                engine.compile(backend="aot_eager", **kwargs)
+                out[name] = ""
+            finally:
+                engine.destroy()
+        except (NotImplementedError, ValueError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
+    from _dist import run_cases
+    cases: Dict[str, Callable[[int, int], Any]] = {
+        f"s{stage}-{'llama' if hf else 'gpt'}": case_parity(stage, hf)
+        for stage in (1, 2, 3) for hf in (False, True)}
+    cases.update(offload=case_offload, checkpoints=case_checkpoints, refusals=case_refusals,
+                 inductor=case_inductor)
+    return run_cases(cases, rank, world_size)
