@@ -111,9 +111,11 @@ def weights(engine) -> Dict[str, torch.Tensor]:
 
 
 def run(stage: int, hf: bool, deepcompile: bool, backend: Any = None, schedule=None,
-        probe=None, **extra: Any) -> Dict[str, Any]:
+        probe=None, checkpointing: bool = False, **extra: Any) -> Dict[str, Any]:
     rank, world = comm.get_rank(), comm.get_world_size()
     model = llama_model() if hf else gpt_model()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = shardtrain.initialize(model=model, config=config(stage, deepcompile, **extra))
     if deepcompile:
         engine.compile(backend=backend, schedule=schedule)
@@ -135,6 +137,52 @@ def case_parity(stage: int, hf: bool) -> Callable[[int, int], Dict[str, Any]]:
         got["graphs"] = recorder.graphs
         return {"eager": run(stage, hf, False), "compiled": got}
     return case
+
+
+class Odd(torch.nn.Module):
+    """A module whose forward torch.compile cannot trace whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return torch.tanh(x)
+
+
+def case_graph_break(rank: int, world: int) -> Dict[str, Any]:
+    """A graph break inside a module: named in the report, training as eager."""
+    from collections import OrderedDict
+    out: Dict[str, Any] = {}
+    for deepcompile in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(OrderedDict(inp=torch.nn.Linear(8, 16), odd=Odd(),
+                                                out=torch.nn.Linear(16, 4)))
+        engine, *_ = shardtrain.initialize(model=model, config=config(2, deepcompile))
+        if deepcompile:
+            engine.compile(backend=Recorder())
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(ACCUM * 2):
+            x, y = torch.randn(MICRO * world, 8, generator=g), torch.randn(MICRO * world, 4, generator=g)
+            loss = (engine(x[rank::world]) - y[rank::world]).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out["compiled" if deepcompile else "eager"] = losses
+        if deepcompile:
+            out["breaks"] = engine.deepcompile.forward.breaks
+        engine.destroy()
+    return out
+
+
+def case_bf16(rank: int, world: int) -> Dict[str, Any]:
+    """bf16 at stage 3 (fp32 masters): the graphs' bf16 reductions against eager's."""
+    return {"eager": run(3, False, False, bf16={"enabled": True}),
+            "compiled": run(3, False, True, Recorder(), bf16={"enabled": True})}
+
+
+def case_activation_checkpointing(rank: int, world: int) -> Dict[str, Any]:
+    """The Llama's own gradient checkpointing (non-reentrant) inside the compiled graphs."""
+    return {"eager": run(3, True, False, checkpointing=True),
+            "compiled": run(3, True, True, Recorder(), checkpointing=True)}
 
 
 def case_inductor(rank: int, world: int) -> Dict[str, Any]:
@@ -204,5 +252,6 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
         f"s{stage}-{'llama' if hf else 'gpt'}": case_parity(stage, hf)
         for stage in (1, 2, 3) for hf in (False, True)}
     cases.update(offload=case_offload, checkpoints=case_checkpoints, refusals=case_refusals,
-                 inductor=case_inductor)
+                 graph_break=case_graph_break, bf16=case_bf16,
+                 activation_checkpointing=case_activation_checkpointing, inductor=case_inductor)
     return run_cases(cases, rank, world_size)

@@ -111,3 +111,18 @@ def test_what_does_not_compose_is_refused_by_name(run):
     assert "set compile.deepcompile true" in got["schedule_without"]
     assert "compile.offload_parameters true" in got["offload_parameters"]
     assert "compile.passes ['autosp']" in got["autosp"] and "'z3'" in got["autosp"]
+
+
+def test_a_graph_break_is_reported_with_its_module(run):
+    got = result(run, "graph_break", 0)
+    assert got["compiled"] == pytest.approx(got["eager"], abs=LOSS_ATOL)
+    assert got["breaks"] == ["in module 'odd' (Odd): Call to `torch._dynamo.graph_break()`"]
+
+
+@pytest.mark.parametrize("name", ["bf16", "activation_checkpointing"])
+def test_bf16_and_activation_checkpointing_compose(run, name):
+    """bf16 (fp32 masters) on the GPT, and the Llama's own non-reentrant gradient
+    checkpointing, at stage 3: as the eager engine."""
+    for rank in range(WORLD):
+        got = result(run, name, rank)
+        _close(got["eager"], got["compiled"])

@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import types
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from torch._dynamo import utils as _dynamo_utils
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from ..comm import Group, InGraph
 from ..layout import layout_of
+from ..log import log_dist
 from ._groups import ParamGroup
 from ._params import is_partitioned
 from ._reduce import ReduceSettings
@@ -84,6 +87,8 @@ class InGraphForward:
         self.kept: FrozenSet[int] = frozenset()  # groups whose gathers are saved (selective_gather)
         self.compiles: List[Tuple[FrozenSet[str], int]] = []  # (passes, kept groups) per build
         self._run: Any = None
+        self._traced = False
+        self.breaks: List[str] = []  # where the last compilation broke the forward apart
         for g in self.groups:
             g.flat.requires_grad_(True)  # the leaf the reduce-scatter's sum lands in
 
@@ -97,10 +102,36 @@ class InGraphForward:
             config["reorder_for_compute_comm_overlap"] = True
             options["options"] = config
         self._run = torch.compile(_own_code(self._forward), backend=self.backend, **options)
+        self._traced = False
         self.compiles.append((self.passes, len(self.kept)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run([g.flat for g in self.groups], [p for _, p in self.whole], args, kwargs)
+        inputs = ([g.flat for g in self.groups], [p for _, p in self.whole], args, kwargs)
+        if self._traced:
+            return self._run(*inputs)
+        seen = len(_dynamo_utils.graph_break_reasons)
+        out = self._run(*inputs)  # traced and compiled now
+        self._traced = True
+        # one break shows once per frame torch.compile resumes through: each place once
+        self.breaks = list(dict.fromkeys(
+            self._where_it_broke(r) for r in _dynamo_utils.graph_break_reasons[seen:]))
+        if self.breaks:
+            log_dist(f"DeepCompile: the compiled forward breaks into {len(self.breaks) + 1} "
+                     "graphs (the collectives of each run apart): "
+                     + "; ".join(self.breaks), ranks=[0], level=logging.WARNING)
+        return out
+
+    def _where_it_broke(self, reason: Any) -> str:
+        """A graph break as the module whose forward caused it, and why."""
+        why = str(getattr(reason, "reason", reason)).strip().splitlines()[0]
+        for frame in reversed(getattr(reason, "user_stack", None) or []):
+            names = [name for name, m in self.module.named_modules()
+                     if _runs(type(m).forward, frame.filename, frame.lineno)]
+            if names:
+                kind = type(self.module.get_submodule(names[0])).__name__
+                more = f", and {len(names) - 1} more of that class" if len(names) > 1 else ""
+                return f"in module '{names[0] or '(root)'}' ({kind}{more}): {why}"
+        return why
 
     def _forward(self, flats: List[torch.Tensor], whole: List[torch.Tensor], args: tuple,
                  kwargs: dict) -> Any:
@@ -124,6 +155,15 @@ class InGraphForward:
 
 
 _CODES = itertools.count()
+
+
+def _runs(forward: Any, filename: str, line: Optional[int]) -> bool:
+    """Whether ``line`` of ``filename`` is in the function ``forward``."""
+    code = getattr(forward, "__code__", None)
+    if code is None or line is None or code.co_filename != filename:
+        return False
+    lines = [n for _, _, n in code.co_lines() if n is not None]
+    return bool(lines) and code.co_firstlineno <= line <= max(lines)
 
 
 def _own_code(method: Any) -> Any:
