@@ -97,7 +97,7 @@ PARALLEL_MODULES = {
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": r"parallel_state_sp.*sequence_parallel_size",
     "deepspeed.sequence.layer": r"DistributedAttention.*sequence_parallel_size",
     "deepspeed.utils.groups": None,
-    "deepspeed.compile": r"DeepCompile. Instead: engine.compile\(\)",
+    "deepspeed.compile": r"DeepCompile.s pass modules. Instead: engine.compile\(\) with compile.deepcompile",
     "deepspeed.accelerator.real_accelerator": None,
     "deepspeed.checkpoint.constants": None,
     "deepspeed.runtime.constants": None,

@@ -52,7 +52,8 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
                                  "under deepspeed.ops are torch optimizers"),
     "deepspeed.ops.aio": ("NVMe offload (async I/O)", "offload to CPU memory (offload_optimizer, offload_param)"),
     "deepspeed.nvme": ("NVMe offload", "offload to CPU memory (offload_optimizer, offload_param)"),
-    "deepspeed.compile": ("DeepCompile", "engine.compile() (torch.compile at every ZeRO stage)"),
+    "deepspeed.compile": ("DeepCompile's pass modules", "engine.compile() with compile.deepcompile "
+                          "true, and schedule=[(step, [pass names])] for its passes"),
     "deepspeed.autotuning": ("DeepSpeed's autotuner", "`shardtrain autotune`"),
     "deepspeed.elasticity": ("elastic batch sizes (removed from DeepSpeed too)",
                              "fixed batch keys; `shardtrain run --max-restarts` for elastic restarts"),
