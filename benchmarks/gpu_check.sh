@@ -28,6 +28,10 @@ timeout 240 python3 benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" 2>&1 | 
 timeout 120 python3 benchmarks/bench_ddp.py --device cuda --world 1 --n-layer 12 --n-embd 768 \
   --micro 16 --gas 1,4 --blocks 4 --steps 5 --threads 4 --json "$OUT/bench_ddp_cuda.json" 2>&1 \
   | tee "$OUT/bench_ddp_cuda.log"
+# DeepCompile (ZeRO's collectives in the compiled graphs) vs eager and FSDP2, one GPU.
+timeout 300 python3 benchmarks/bench_deepcompile.py --device cuda --world 1 --threads 4 \
+  --models small,many_layers --stages 1,3 --blocks 3 2>&1 | grep -v Warning \
+  | tee "$OUT/bench_deepcompile_cuda.log"
 # Tensor and sequence parallelism (and torch's TP + FSDP2 beside it) need 2 GPUs or more.
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 240 python3 benchmarks/bench_parallel.py --device cuda --world 2 --threads 4 \

@@ -9,9 +9,11 @@ or written to the trail one by one (the step around them is).
 Example:
     >>> in_graph = InGraph(group)
     >>> full = in_graph.gather_rows(shard)        # [world * len(shard)], inside the trace
-    >>> w = in_graph.sum_grad(weight)             # the gradient of w is summed over ranks
+    >>> w, b = in_graph.sum_grads(weight, bias)   # their gradients summed over ranks at once
 """
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,21 +41,27 @@ class InGraph:
             return flat
         return funcol.all_gather_tensor_autograd(flat, 0, self.pg)
 
-    def sum_grad(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` itself, whose gradient is all-reduced (summed) in backward."""
+    def sum_grads(self, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """The ``tensors`` themselves, whose gradients are summed over the group in backward
+        by one all-reduce of them all, once every one of them has its gradient (a bucket)."""
         if self.pg is None:
-            return tensor
-        return _SumGrad.apply(tensor, self.pg)
+            return tensors
+        return _SumGrads.apply(self.pg, *tensors)
 
 
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; the gradient is summed over the process group's ranks."""
+class _SumGrads(torch.autograd.Function):
+    """Identity forward; backward concatenates the gradients (zeros for one that got none),
+    all-reduces them at once and hands each its part."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, pg) -> torch.Tensor:
+    def forward(ctx, pg, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.pg = pg
-        return tensor.view_as(tensor)
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return funcol.all_reduce(grad.contiguous(), "sum", ctx.pg), None
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        summed = funcol.all_reduce(flat, "sum", ctx.pg)
+        parts = torch.split(summed, [s.numel() for s in ctx.shapes])
+        return (None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))

@@ -13,8 +13,9 @@ backward, through torch's functional collectives (:mod:`shardtrain.comm`'s in-gr
   is forced (selective activation checkpointing), so the gathered weights are not kept from
   forward to backward: backward gathers again, as eager ZeRO-3 does, and every full weight
   is freed after its last use.
-* ``z1`` (stages 1-2, and the parameters stage 3 keeps whole): each parameter enters the
-  graph through an identity whose backward all-reduces (sums) its gradient.
+* ``z1`` (stages 1-2, and the parameters stage 3 keeps whole): the parameters enter the graph
+  through identities whose backward all-reduces (sums) their gradients, one collective per
+  bucket of ``reduce_bucket_size`` elements once its last gradient is in.
 * ``prefetch``: the compiler may move collectives ahead of the computation before them
   (inductor's compute/communication reordering), so a gather is issued early.
 * ``selective_gather``: the groups listed in the pass's plan keep their gathered weights
@@ -67,19 +68,21 @@ class InGraphForward:
     Args:
         module: the model.
         groups: stage 3's parameter groups (empty at stages 1-2).
-        whole: the trainable parameters kept whole (their gradients all-reduced in graph).
+        whole: the trainable parameters kept whole (their gradients all-reduced in graph,
+            in buckets of up to ``bucket_numel`` elements, in the module's order).
         group: the data-parallel group.
         backend, options: ``torch.compile``'s.
     """
 
     def __init__(self, module: torch.nn.Module, groups: Sequence[ParamGroup],
                  whole: Sequence[torch.nn.Parameter], group: Group, backend: str,
-                 options: Dict[str, Any]):
+                 options: Dict[str, Any], bucket_numel: int = 500_000_000):
         self.module, self.groups, self.world = module, list(groups), group.size()
         self.collectives = InGraph(group)
         self.backend, self.options = backend, dict(options)
         names = {id(p): n for n, p in module.named_parameters()}
         self.whole = [(names[id(p)], p) for p in whole if id(p) in names]
+        self.buckets = _buckets([p.numel() for _, p in self.whole], bucket_numel)
         self.placed = [[(names[id(p)], off, chunk, layout_of(p).local_shape)
                         for p, off, chunk in zip(g.params, g.layout.offsets, g.layout.chunks)
                         if id(p) in names] for g in self.groups]
@@ -143,8 +146,9 @@ class InGraphForward:
             for name, off, chunk, shape in placed:
                 numel = torch.Size(shape).numel()
                 params[name] = rows[:, off: off + chunk].reshape(-1)[:numel].view(shape)
-        for (name, _), p in zip(self.whole, whole):
-            params[name] = self.collectives.sum_grad(p)
+        for bucket in self.buckets:
+            summed = self.collectives.sum_grads(*(whole[i] for i in bucket))
+            params.update((self.whole[i][0], t) for i, t in zip(bucket, summed))
         return torch.func.functional_call(self.module, params, args, kwargs)
 
     def _gathered(self, index: int, flat: torch.Tensor) -> torch.Tensor:
@@ -155,6 +159,20 @@ class InGraphForward:
 
 
 _CODES = itertools.count()
+
+
+def _buckets(numels: Sequence[int], bucket_numel: int) -> List[List[int]]:
+    """Consecutive indices whose elements add up to at most ``bucket_numel`` (one index
+    alone may exceed it)."""
+    out: List[List[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if not out or size + n > bucket_numel:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
 
 
 def _runs(forward: Any, filename: str, line: Optional[int]) -> bool:

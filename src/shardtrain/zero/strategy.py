@@ -159,12 +159,14 @@ class Strategy:
             split by tensor parallelism (None: no tensor parallelism).
         gatherer: all-gathers updated slices after the step (None at stage 0).
         schedule: gathers and releases partitioned parameters (stage 3 only).
+        bucket_numel: ``reduce_bucket_size`` (DeepCompile's in-graph reductions bucket by it).
     """
 
     def __init__(self, stage: int, module: torch.nn.Module, params: List[torch.nn.Parameter],
                  grads: GradientHolder, view: OptimizerView, group: Group,
                  gatherer: Optional[SliceGatherer] = None,
-                 schedule: Optional[GatherSchedule] = None, tp: Optional[Group] = None):
+                 schedule: Optional[GatherSchedule] = None, tp: Optional[Group] = None,
+                 bucket_numel: int = 500_000_000):
         self.stage = stage
         self.supports_no_sync = grads.keeps_full
         self._module = module
@@ -176,6 +178,7 @@ class Strategy:
         self._gatherer = gatherer
         self._schedule = schedule
         self._in_graph: Optional[InGraphForward] = None  # DeepCompile: collectives in graphs
+        self._bucket_numel = bucket_numel  # reduce_bucket_size, for the graphs' reductions too
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # -- optimizer ----------------------------------------------------------------------------
@@ -287,7 +290,7 @@ class Strategy:
             self.supports_no_sync = False
             whole = [p for p in self.params if not is_partitioned(p)]
             self._in_graph = InGraphForward(self._module, groups, whole, self._group,
-                                            backend, options)
+                                            backend, options, self._bucket_numel)
         return self._in_graph
 
     def release_all(self) -> None:
@@ -362,7 +365,8 @@ def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], ze
         grads = FullGrads(params, buckets, overlap, settings,
                           AllReduceExchange(settings, group))
         view = OptimizerView(params, full_slices(params))
-        return Strategy(0, module, params, grads, view, group, tp=tp)
+        return Strategy(0, module, params, grads, view, group, tp=tp,
+                        bucket_numel=int(zero.reduce_bucket_size))
     rows = ScatterRows(buckets, group, settings, bool(zero.reduce_scatter))
     if zero.stage == 1:
         grads = FullGrads(params, buckets, overlap, settings, ScatterExchange(rows))
@@ -372,7 +376,8 @@ def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], ze
     whole = [p for p in params if not is_partitioned(p)]
     gatherer = SliceGatherer(whole, int(zero.allgather_bucket_size), group)
     schedule = GatherSchedule(module, units, zero, view.refresh_masters) if units else None
-    return Strategy(zero.stage, module, params, grads, view, group, gatherer, schedule, tp)
+    return Strategy(zero.stage, module, params, grads, view, group, gatherer, schedule, tp,
+                    int(zero.reduce_bucket_size))
 
 
 def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any,
