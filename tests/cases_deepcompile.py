@@ -250,7 +250,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
     from _dist import run_cases
     cases: Dict[str, Callable[[int, int], Any]] = {
         f"s{stage}-{'llama' if hf else 'gpt'}": case_parity(stage, hf)
-        for stage in (1, 2, 3) for hf in (False, True)}
+        for stage, hf in ((1, False), (1, True), (2, False), (3, False), (3, True))}
     cases.update(offload=case_offload, checkpoints=case_checkpoints, refusals=case_refusals,
                  graph_break=case_graph_break, bf16=case_bf16,
                  activation_checkpointing=case_activation_checkpointing, inductor=case_inductor)

@@ -17,7 +17,6 @@ from typing import Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from ._groups import Group
 
@@ -39,7 +38,7 @@ class InGraph:
         rows of its own."""
         if self.pg is None:
             return flat
-        return funcol.all_gather_tensor_autograd(flat, 0, self.pg)
+        return _funcol().all_gather_tensor_autograd(flat, 0, self.pg)
 
     def sum_grads(self, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """The ``tensors`` themselves, whose gradients are summed over the group in backward
@@ -47,6 +46,13 @@ class InGraph:
         if self.pg is None:
             return tensors
         return _SumGrads.apply(self.pg, *tensors)
+
+
+def _funcol():
+    """torch's functional collectives, imported when first used (they import torch's compiler
+    stack, seconds that a process which never compiles would pay at start)."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol
 
 
 class _SumGrads(torch.autograd.Function):
@@ -62,6 +68,6 @@ class _SumGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         flat = torch.cat([g.reshape(-1) for g in grads])
-        summed = funcol.all_reduce(flat, "sum", ctx.pg)
+        summed = _funcol().all_reduce(flat, "sum", ctx.pg)
         parts = torch.split(summed, [s.numel() for s in ctx.shapes])
         return (None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))

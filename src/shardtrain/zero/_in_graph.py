@@ -34,7 +34,6 @@ import types
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch._dynamo import utils as _dynamo_utils
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
@@ -112,6 +111,7 @@ class InGraphForward:
         inputs = ([g.flat for g in self.groups], [p for _, p in self.whole], args, kwargs)
         if self._traced:
             return self._run(*inputs)
+        from torch._dynamo import utils as _dynamo_utils  # 2 s to import: only once compiling
         seen = len(_dynamo_utils.graph_break_reasons)
         out = self._run(*inputs)  # traced and compiled now
         self._traced = True
