@@ -31,21 +31,20 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import accelerator
+from .autotune.budget import memory_budget_from_env
 from .log import log_dist
-from .memory import StateOffload, parse_size, resident_bytes
+from .memory import StateOffload, resident_bytes
 from .zero import PASSES, gathered_bytes
 
 __all__ = ["DeepCompile", "WARMUP_STEPS", "default_schedule"]
 
 #: The steps profiled before the later passes start (DeepSpeed's warm-up).
 WARMUP_STEPS = 5
-_BUDGET_ENV = "SHARDTRAIN_MEMORY_BUDGET"
 
 Schedule = List[Tuple[int, FrozenSet[str]]]
 
@@ -114,7 +113,8 @@ class DeepCompile:
     def launch(self, global_steps: int) -> bool:
         """Applies the passes the schedule gives ``global_steps`` if they changed (the next
         call compiles anew); True when they did."""
-        self._profile()
+        if self.schedule[-1][0] > global_steps:  # a later pass is still ahead: profile
+            self._profile()
         passes = [p for step, p in self.schedule if step <= global_steps][-1]
         if passes == self.active:
             return False
@@ -137,8 +137,8 @@ class DeepCompile:
         """The groups ``selective_gather`` keeps gathered: the smallest first, while their
         gathered bytes fit in the budget minus the profiled peak."""
         limit = accelerator.total_memory()
-        if limit is None and os.environ.get(_BUDGET_ENV):
-            limit = parse_size(os.environ[_BUDGET_ENV])
+        if limit is None:
+            limit = memory_budget_from_env()
         if limit is None:
             return []
         room, kept = limit - self._peak, []

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from ..comm import Group, InGraph
 from ..layout import layout_of
 from ..log import log_dist
+from ._buckets import split_into_buckets
 from ._groups import ParamGroup
 from ._params import is_partitioned
 from ._reduce import ReduceSettings
@@ -68,7 +69,7 @@ class InGraphForward:
         module: the model.
         groups: stage 3's parameter groups (empty at stages 1-2).
         whole: the trainable parameters kept whole (their gradients all-reduced in graph,
-            in buckets of up to ``bucket_numel`` elements, in the module's order).
+            in buckets of up to ``bucket_numel`` elements, as eager reduction buckets them).
         group: the data-parallel group.
         backend, options: ``torch.compile``'s.
     """
@@ -81,7 +82,9 @@ class InGraphForward:
         self.backend, self.options = backend, dict(options)
         names = {id(p): n for n, p in module.named_parameters()}
         self.whole = [(names[id(p)], p) for p in whole if id(p) in names]
-        self.buckets = _buckets([p.numel() for _, p in self.whole], bucket_numel)
+        index = {id(p): i for i, (_, p) in enumerate(self.whole)}
+        self.buckets = [[index[id(p)] for p in bucket] for bucket in
+                        split_into_buckets([p for _, p in self.whole], bucket_numel)]
         self.placed = [[(names[id(p)], off, chunk, layout_of(p).local_shape)
                         for p, off, chunk in zip(g.params, g.layout.offsets, g.layout.chunks)
                         if id(p) in names] for g in self.groups]
@@ -159,20 +162,6 @@ class InGraphForward:
 
 
 _CODES = itertools.count()
-
-
-def _buckets(numels: Sequence[int], bucket_numel: int) -> List[List[int]]:
-    """Consecutive indices whose elements add up to at most ``bucket_numel`` (one index
-    alone may exceed it)."""
-    out: List[List[int]] = []
-    size = 0
-    for i, n in enumerate(numels):
-        if not out or size + n > bucket_numel:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += n
-    return out
 
 
 def _runs(forward: Any, filename: str, line: Optional[int]) -> bool:
