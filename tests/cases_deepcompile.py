@@ -22,6 +22,28 @@ MICRO, ACCUM, STEPS, SEQ = 2, 2, 3, 16
 GATHER = "all_gather_into_tensor"
 SCATTER = "reduce_scatter_tensor"
 ALL_REDUCE = "all_reduce"
+# what an all-gather's result is read through (a view of it keeps the gathered buffer alive)
+_VIEWS = ("wait_tensor", "view", "slice", "reshape", "alias", "permute", "transpose", "t.default",
+          "expand", "squeeze", "unsqueeze", "select", "split", "as_strided")
+
+
+def most_gathered(graph) -> int:
+    """The most all-gathered buffers alive at once in ``graph``: each from its gather to the
+    last node reading it or a view of it."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    spans = []
+    for node in nodes:
+        if node.op == "call_function" and str(node.target).endswith(f"{GATHER}.default"):
+            seen, todo, last = {node}, [node], position[node]
+            while todo:
+                for user in todo.pop().users:
+                    last = max(last, position[user])
+                    if user not in seen and any(v in str(user.target) for v in _VIEWS):
+                        seen.add(user)
+                        todo.append(user)
+            spans.append((position[node], last))
+    return max((sum(lo <= i <= hi for lo, hi in spans) for i in range(len(nodes))), default=0)
 
 
 class Recorder:
@@ -42,6 +64,7 @@ class Recorder:
                 ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
                 record[kind] = {op: sum(op_name.endswith(f"{op}.default") for op_name in ops)
                                 for op in (GATHER, SCATTER, ALL_REDUCE)}
+                record[kind]["alive"] = most_gathered(graph.graph)
                 return make_boxed_func(graph.forward)
             return compile_graph
         # inductor's partitioner, which honours the forced recomputation of the gathers
@@ -129,13 +152,20 @@ def run(stage: int, hf: bool, deepcompile: bool, backend: Any = None, schedule=N
     return out
 
 
+#: stage 3's later pass, from step 2: on the GPT selective_gather, on the Llama prefetch
+#: (each gather issued up to PREFETCH elements ahead: two of its largest groups)
+LATER = {False: "selective_gather", True: "prefetch"}
+PREFETCH = 4096
+
+
 def case_parity(stage: int, hf: bool) -> Callable[[int, int], Dict[str, Any]]:
     def case(rank: int, world: int) -> Dict[str, Any]:
         recorder = Recorder()
-        schedule = [(0, ["z3"]), (2, ["z3", "selective_gather"])] if stage == 3 else None
-        got = run(stage, hf, True, recorder, schedule)
+        schedule = [(0, ["z3"]), (2, ["z3", LATER[hf]])] if stage == 3 else None
+        zero = {"stage3_prefetch_bucket_size": PREFETCH}
+        got = run(stage, hf, True, recorder, schedule, zero_optimization=zero)
         got["graphs"] = recorder.graphs
-        return {"eager": run(stage, hf, False), "compiled": got}
+        return {"eager": run(stage, hf, False, zero_optimization=zero), "compiled": got}
     return case
 
 
@@ -246,7 +276,7 @@ def case_refusals(rank: int, world: int) -> Dict[str, str]:
     return out
 
 
-def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
+def all_cases(rank: int, world_size: int, only: Optional[List[str]] = None) -> Dict[str, Any]:
     from _dist import run_cases
     cases: Dict[str, Callable[[int, int], Any]] = {
         f"s{stage}-{'llama' if hf else 'gpt'}": case_parity(stage, hf)
@@ -254,4 +284,4 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
     cases.update(offload=case_offload, checkpoints=case_checkpoints, refusals=case_refusals,
                  graph_break=case_graph_break, bf16=case_bf16,
                  activation_checkpointing=case_activation_checkpointing, inductor=case_inductor)
-    return run_cases(cases, rank, world_size)
+    return run_cases(cases, rank, world_size, only)

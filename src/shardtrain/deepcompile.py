@@ -11,7 +11,10 @@ The passes (:data:`shardtrain.zero.PASSES`):
 
 * ``z3`` (stage 3) / ``z1`` (stages 1-2): the collectives in the graphs (the base; every
   schedule entry has the stage's one);
-* ``prefetch``: inductor may issue a collective ahead of the computation before it;
+* ``prefetch`` (stage 3): each all-gather is issued ahead of its use, by up to eager ZeRO-3's
+  prefetch bound (``stage3_prefetch_bucket_size`` elements, at most
+  ``stage3_max_live_parameters``) and, where a memory budget is known, within what it leaves
+  above the profiled peak; inductor waits for it where the weights are first used;
 * ``selective_gather`` (stage 3): the groups whose gathered weights fit in what the memory
   budget leaves after the profiled steps stay gathered from forward to backward (smallest
   first) instead of being gathered again; the budget is the device's memory (CUDA) or
@@ -118,12 +121,17 @@ class DeepCompile:
         passes = [p for step, p in self.schedule if step <= global_steps][-1]
         if passes == self.active:
             return False
-        kept = self._kept_groups() if "selective_gather" in passes else []
-        self.forward.set_passes(passes, kept)
+        room = self._room()
+        kept = self._kept_groups(room) if "selective_gather" in passes else []
+        if room is not None:
+            room -= sum(gathered_bytes(self.forward.groups[i]) for i in kept)
+        ahead = self._ahead(room) if "prefetch" in passes else 0
+        self.forward.set_passes(passes, kept, ahead)
         self.active = passes
         self.events.append((global_steps, sorted(passes)))
         log_dist(f"DeepCompile: step {global_steps}: passes {sorted(passes)}"
-                 + (f", {len(kept)} group(s) kept gathered" if kept else ""), ranks=[0],
+                 + (f", {len(kept)} group(s) kept gathered" if kept else "")
+                 + (f", gathers up to {ahead} elements ahead" if ahead else ""), ranks=[0],
                  level=logging.INFO)
         return True
 
@@ -133,15 +141,20 @@ class DeepCompile:
         now = stats.get("peak") if stats else resident_bytes()
         self._peak = max(self._peak, now or 0)
 
-    def _kept_groups(self) -> List[int]:
-        """The groups ``selective_gather`` keeps gathered: the smallest first, while their
-        gathered bytes fit in the budget minus the profiled peak."""
+    def _room(self) -> Optional[int]:
+        """The bytes the memory budget leaves above the profiled peak (None: no budget known:
+        the device's memory on CUDA, ``SHARDTRAIN_MEMORY_BUDGET`` elsewhere)."""
         limit = accelerator.total_memory()
         if limit is None:
             limit = memory_budget_from_env()
-        if limit is None:
+        return None if limit is None else max(0, limit - self._peak)
+
+    def _kept_groups(self, room: Optional[int]) -> List[int]:
+        """The groups ``selective_gather`` keeps gathered: the smallest first, while their
+        gathered bytes fit in ``room``."""
+        if room is None:
             return []
-        room, kept = limit - self._peak, []
+        kept = []
         sizes = sorted((gathered_bytes(g), i) for i, g in enumerate(self.forward.groups))
         for size, index in sizes:
             if size > room:
@@ -149,6 +162,16 @@ class DeepCompile:
             room -= size
             kept.append(index)
         return kept
+
+    def _ahead(self, room: Optional[int]) -> int:
+        """The elements ``prefetch`` may gather ahead of their use: eager ZeRO-3's prefetch
+        bound (``stage3_prefetch_bucket_size``, within ``stage3_max_live_parameters``), and
+        within ``room`` where a budget is known."""
+        ahead = self.forward.prefetch_numel
+        groups = self.forward.groups
+        if room is not None and groups:
+            ahead = min(ahead, room // groups[0].flat.element_size())
+        return max(0, int(ahead))
 
     # -- offload_opt_states ------------------------------------------------------------------
 

@@ -2,18 +2,19 @@
 
 They are torch's functional collectives: each returns a new tensor and carries its own
 autograd rule, so a traced forward holds the all-gather of a shard as a graph node and the
-traced backward holds the reduce-scatter (or all-reduce) of its gradient, with no Python
+traced backward holds the reduce-scatter of its gradient, with no Python
 hook and no graph break. The graph runs them, not :mod:`._ops`: they are not timed, bounded
 or written to the trail one by one (the step around them is).
 
 Example:
     >>> in_graph = InGraph(group)
     >>> full = in_graph.gather_rows(shard)        # [world * len(shard)], inside the trace
-    >>> w, b = in_graph.sum_grads(weight, bias)   # their gradients summed over ranks at once
+    >>> w, b = in_graph.scatter_grads(sink, weight, bias)  # sink.grad: this rank's row of
+    >>>                                                    # their gradients, summed over ranks
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,12 +41,13 @@ class InGraph:
             return flat
         return _funcol().all_gather_tensor_autograd(flat, 0, self.pg)
 
-    def sum_grads(self, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """The ``tensors`` themselves, whose gradients are summed over the group in backward
-        by one all-reduce of them all, once every one of them has its gradient (a bucket)."""
-        if self.pg is None:
-            return tensors
-        return _SumGrads.apply(self.pg, *tensors)
+    def scatter_grads(self, sink: torch.Tensor, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """The ``tensors`` themselves. In backward, once every one of them has its gradient,
+        the gradients are laid out rank-major (each flattened, padded and cut into one chunk
+        per rank, chunk after chunk in a row per rank) and reduce-scattered (summed) at once:
+        this rank's row is ``sink``'s gradient, and the tensors get none. ``sink`` holds one
+        row: the sum over the tensors of ``ceil(numel / ranks)`` elements."""
+        return _ScatterGrads.apply(self.pg, self.size, sink, *tensors)
 
 
 def _funcol():
@@ -55,19 +57,33 @@ def _funcol():
     return funcol
 
 
-class _SumGrads(torch.autograd.Function):
-    """Identity forward; backward concatenates the gradients (zeros for one that got none),
-    all-reduces them at once and hands each its part."""
+class _ScatterGrads(torch.autograd.Function):
+    """Identity forward; backward packs the gradients (zeros for one that got none) into one
+    row per rank, reduce-scatters them and gives this rank's row to the sink."""
 
     @staticmethod
-    def forward(ctx, pg, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        ctx.pg = pg
-        ctx.shapes = [t.shape for t in tensors]
+    def forward(ctx, pg, size: int, sink: torch.Tensor, *tensors: torch.Tensor
+                ) -> Tuple[torch.Tensor, ...]:
+        ctx.pg, ctx.size = pg, size
+        ctx.numels = [t.numel() for t in tensors]
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        summed = _funcol().all_reduce(flat, "sum", ctx.pg)
-        parts = torch.split(summed, [s.numel() for s in ctx.shapes])
-        return (None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
+        rows = _pack_rows(grads, ctx.numels, ctx.size)
+        mine = rows.reshape(-1) if ctx.pg is None else \
+            _funcol().reduce_scatter_tensor(rows.reshape(-1), "sum", 0, ctx.pg)
+        return (None, None, mine, *(None for _ in grads))
+
+
+def _pack_rows(grads: Sequence[torch.Tensor], numels: Sequence[int], size: int) -> torch.Tensor:
+    """``[size, sum of chunks]``: each gradient flattened, zero-padded to ``size`` chunks of
+    ``ceil(numel / size)`` (at least 1) and cut into them, rank ``r``'s chunks in row ``r``."""
+    columns = []
+    for grad, numel in zip(grads, numels):
+        chunk = max(1, -(-numel // size))
+        flat = grad.reshape(-1)
+        if chunk * size > numel:
+            flat = torch.nn.functional.pad(flat, (0, chunk * size - numel))
+        columns.append(flat.view(size, chunk))
+    return torch.cat(columns, dim=1)

@@ -286,11 +286,14 @@ class Strategy:
             self._grads.zero()
             for p in self.params:
                 p.grad = None  # stages 0-1 attach bucket views; the graphs' sums land anew
-            self._grads = InGraphGrads(self.params, self._view.slices, settings)
             self.supports_no_sync = False
             whole = [p for p in self.params if not is_partitioned(p)]
+            ahead = 0 if self._schedule is None else \
+                min(self._schedule.prefetch_numel, self._schedule.max_live)
             self._in_graph = InGraphForward(self._module, groups, whole, self._group,
-                                            backend, options, self._bucket_numel)
+                                            backend, options, self._bucket_numel, ahead)
+            self._grads = InGraphGrads(self.params, self._view.slices, settings,
+                                       self._in_graph.homes)
         return self._in_graph
 
     def release_all(self) -> None:
