@@ -27,7 +27,7 @@ from .comm import CollectiveBounds
 from ._engine_compat import DeepSpeedEngineAPI, lend_state_moves
 from .config import ShardConfig, situational_notes
 from .data import ShardedDataLoader, is_map_dataset
-from .deepcompile import DeepCompile
+from .deepcompile import DeepCompile, check_composes
 from .errors import GradientsUnavailableError, StepOrderError, UnusedParametersError
 from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
@@ -817,8 +817,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
         With ``compile.deepcompile`` true (stages 1-3), DeepCompile: ZeRO's collectives go
         inside the compiled graphs (stage 3's all-gathers before first use and again in
-        backward, the gradients' reduce-scatter or all-reduce as backward produces them), and
-        the passes of ``schedule`` apply from the steps it names (:mod:`shardtrain.deepcompile`).
+        backward, the gradients' reduce-scatters as backward produces them), and the passes
+        of ``schedule`` apply from the steps it names (:mod:`shardtrain.deepcompile`).
 
         Args:
             backend: ``torch.compile``'s backend (default ``compile.backend``).
@@ -833,7 +833,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         options = {**self.config.compile.kwargs, **(compile_kwargs or {})}
         backend = backend or self.config.compile.backend
         if self.config.compile.deepcompile:
-            self._check_deepcompile()
+            check_composes(self.config, self.mesh, self._strategy.params)
             self._deepcompile = DeepCompile(self._strategy, self._strategy.stage, backend,
                                             options, schedule,
                                             bool(self.config.compile.offload_opt_states))
@@ -843,42 +843,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             raise ValueError("engine.compile(schedule=...) schedules DeepCompile's passes: set "
                              "compile.deepcompile true, or leave schedule out.")
         self._compiled = self._strategy.compile(self.module, backend, options)
-
-    def _check_deepcompile(self) -> None:
-        """What DeepCompile does not compose with here, refused by name before anything
-        changes."""
-        zero, mesh = self.config.zero_optimization, self.mesh
-        params = [p for p in self._strategy.params if p.is_floating_point()]
-        dtype = params[0].dtype if params else torch.float32
-        problems = []
-        if zero.stage == 0:
-            problems.append("zero_optimization.stage 0 (DeepCompile needs ZeRO stage 1-3, as "
-                            "DeepSpeed's)")
-        if mesh.tp.size() > 1 or mesh.sp.size() > 1:
-            problems.append("tensor or sequence parallelism (their layers' collectives are not "
-                            "traced into the compiled ZeRO graphs)")
-        if zero.offload_param is not None and zero.offload_param.device != "none":
-            problems.append("zero_optimization.offload_param (a shard in host memory cannot be "
-                            "gathered inside the graph)")
-        if self.config.comm_dtype() not in (dtype, None):
-            problems.append(f"communication_data_type {self.config.comm_dtype()} (the graphs "
-                            f"reduce gradients in the parameters' {dtype})")
-        block = self.config.compile
-        for key in ("offload_activation", "offload_parameters", "symmetric_memory"):
-            if getattr(block, key):
-                problems.append(f"compile.{key} true (not provided by the compiled ZeRO here)")
-        base = "z3" if zero.stage == 3 else "z1"
-        if block.passes is not None and list(block.passes) != [base]:
-            problems.append(f"compile.passes {list(block.passes)} (at ZeRO stage {zero.stage} "
-                            f"the base pass is [{base!r}]; autosp and autotp are not provided)")
-        if self.config.data_types.grad_accum_dtype not in (None, dtype):
-            problems.append("data_types.grad_accum_dtype (the graphs' gradients accumulate in "
-                            "the parameters' dtype)")
-        if problems:
-            raise NotImplementedError(
-                "engine.compile() with compile.deepcompile true does not compose with "
-                + "; ".join(problems) + ". Set compile.deepcompile false for per-block "
-                "torch.compile, or change the config.")
 
     def launch_compile_passes(self, global_steps: int) -> None:
         """DeepCompile: applies the passes the schedule gives ``global_steps`` (the next

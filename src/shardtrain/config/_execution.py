@@ -56,8 +56,9 @@ class CompileConfig(_ConfigModel):
     offload_activation_pin_memory: _Bool = Field(
         True, description="DeepCompile: pin activation offload buffers")
     offload_opt_states: _Bool = Field(
-        False, description="DeepCompile: optimizer states in host memory from each step's first "
-                           "forward to its optimizer step (the offload_opt_states pass)")
+        False, description="DeepCompile: after the warm-up, optimizer states in host memory from "
+                           "each step's first forward to its optimizer step where the memory "
+                           "budget requires it (the offload_opt_states pass)")
     double_buffer: _Bool = Field(True, description="DeepCompile: double buffering")
     symmetric_memory: _Bool = Field(False, description="DeepCompile: symmetric memory")
     debug_log: _Bool = Field(False, description="DeepCompile: graph dumping")

@@ -86,6 +86,7 @@ class InGraphForward:
                  options: Dict[str, Any], bucket_numel: int = 500_000_000,
                  prefetch_numel: int = 0):
         self.module, self.groups, self.world = module, list(groups), group.size()
+        self.group = group
         self.collectives = InGraph(group)
         self.backend, self.options = backend, dict(options)
         self.prefetch_numel = prefetch_numel
