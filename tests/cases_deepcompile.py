@@ -230,7 +230,7 @@ def case_offload(rank: int, world: int) -> Dict[str, Any]:
         os.environ["SHARDTRAIN_MEMORY_BUDGET"] = budget
         try:
             got = run(2, False, True, Recorder(), [(0, ["z1"]), (1, ["z1", "offload_opt_states"])],
-                      probe=lambda e: seen.append(e.model_state_bytes()["optimizer"]))
+                      probe=lambda e, seen=seen: seen.append(e.model_state_bytes()["optimizer"]))
         finally:
             os.environ["SHARDTRAIN_MEMORY_BUDGET"] = "64GiB"
         got["optimizer_bytes_in_backward"] = seen

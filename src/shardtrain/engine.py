@@ -33,6 +33,7 @@ from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .layout import layout_of
 from .memory import STATE_KINDS, StateOffload, count_bytes
+from .moe import wire_experts
 from .optim import MuonWithAuxAdam, build_optimizer, build_scheduler
 from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
@@ -91,6 +92,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.mesh = build_mesh(config, mpu)
         self._build_module()
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
+        wire_experts(self.module)  # mixture-of-experts layers: their expert-parallel groups
         if self._parallel.mpu is not None:  # partition_activations and the RNG streams read it
             checkpointing.configure(mpu_=self._parallel.mpu)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])

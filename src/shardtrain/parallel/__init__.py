@@ -6,7 +6,9 @@ Tensor parallelism: :func:`apply_autotp` splits a model in place by DeepSpeed's
 plain ``nn.Parameter`` holding this rank's slice, whose layout record
 (:func:`shardtrain.layout.layout_of`) holds its :class:`SplitSpec` (:func:`is_tp_split`
 tells). The autograd functions that move
-activations in and out of the tensor-parallel group are exported for hand-written layers.
+activations in and out of the tensor-parallel group are exported for hand-written layers, and
+the differentiable all-to-all (:func:`all_to_all`) that Ulysses and the mixture-of-experts
+layer (:mod:`shardtrain.moe`) move activations with.
 :mod:`.rng` holds the random streams their dropout draws from (the same mask on every rank
 of the group, or a different one per rank: Megatron's RNG tracker).
 
@@ -24,6 +26,7 @@ The engine does both from its config (``tensor_parallel``, ``sequence_parallel_s
 """
 from ._assemble import Parallelism, build_mesh, parallelize
 from ..layout import SplitSpec, is_tp_split
+from ._seq_autograd import all_to_all
 from ._tp_autograd import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from .autotp import TPEntry, TPPlan, apply_autotp, autotp_splits
 from .mpu import MeshMPU, mesh_from_mpu
@@ -39,4 +42,5 @@ __all__ = ["SplitSpec", "is_tp_split", "copy_to_group", "reduce_from_group", "ga
            "autotp_splits", "TPPlan", "TPEntry", "UlyssesPlan", "enable_ulysses",
            "shard_sequence", "MeshMPU", "mesh_from_mpu", "Parallelism", "build_mesh",
            "parallelize", "tiled_map", "tiled_loss", "tiled_logits_loss", "TiledMLP",
-           "sequence_tiled_compute", "TiledFusedLogitsLoss", "SequenceParallelLoader"]
+           "sequence_tiled_compute", "TiledFusedLogitsLoss", "SequenceParallelLoader",
+           "all_to_all"]
