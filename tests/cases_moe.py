@@ -1,17 +1,18 @@
 """The mixture-of-experts layer over ranks: its experts split over an expert-parallel group of
 2 (tokens travel by all-to-all), against the same layer with every expert in one process,
 applied to each rank's tokens in turn with the same random draws (the gating rule routes
-each rank's tokens on their own). Also the engine with a layer of ``ep_size`` 1 (experts on
-every rank) against single-process training, and the refusal of ``ep_size`` 2 in training."""
+each rank's tokens on their own). Also the engine training a layer with every expert on every
+rank and one split over the ranks, at ZeRO stages 0-2, against single-process training, and
+what it refuses with split experts."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 import torch
 
 import shardtrain
 from shardtrain import comm
-from shardtrain.moe import MoE
+from shardtrain.moe import MoE, find_expert_groups
 
 M, E, B, T = 8, 4, 2, 5
 
@@ -46,7 +47,7 @@ def run_layer(moe: MoE, x: torch.Tensor, rank: int, proj: torch.Tensor):
 def case_layer(**cfg: Any) -> Callable[[int, int], Dict[str, Any]]:
     def case(rank: int, world: int) -> Dict[str, Any]:
         x, proj = tokens(world), torch.randn(M, generator=torch.Generator().manual_seed(8))
-        split, whole = layer(world, **cfg), layer(1, **cfg)
+        split, whole = layer(2, **cfg), layer(1, **cfg)
         mine = slice(rank * B, (rank + 1) * B)
         got = run_layer(split, x[mine], rank, proj)
         ref = [run_layer(whole, x[r * B:(r + 1) * B], r, proj) for r in range(world)]
@@ -55,12 +56,16 @@ def case_layer(**cfg: Any) -> Callable[[int, int], Dict[str, Any]]:
             "l_aux": abs(got[1].item() - ref[rank][1].item()),
             "counts": (got[2].tolist(), ref[rank][2].tolist()),
             "dropped": int((got[0].abs().sum(-1) == 0).sum())}
-        # each expert's gradient on the rank that holds it: all ranks' tokens' contributions
-        diffs = [(p.grad - whole.deepspeed_moe.experts.deepspeed_experts[e].get_parameter(n).grad)
-                 .abs().max().item()
-                 for local, e in zip(split.deepspeed_moe.experts.deepspeed_experts,
-                                     split.global_expert_ids)
-                 for n, p in local.named_parameters()]
+        # each expert's gradient on the rank that holds it (all its expert-parallel group's
+        # tokens' contributions), summed over the ranks holding the same experts
+        diffs = []
+        for local, e in zip(split.deepspeed_moe.experts.deepspeed_experts,
+                            split.global_expert_ids):
+            for n, p in local.named_parameters():
+                g = p.grad.clone()
+                comm.all_reduce(g, group=split.groups.edp)
+                ref_grad = whole.deepspeed_moe.experts.deepspeed_experts[e].get_parameter(n).grad
+                diffs.append((g - ref_grad).abs().max().item())
         out["experts"] = max(diffs)
         # the replicated parts: their gradients summed over the ranks
         dense, same = [], dict(whole.named_parameters())
@@ -75,44 +80,66 @@ def case_layer(**cfg: Any) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
-def case_engine_ep1(rank: int, world: int) -> Dict[str, List[float]]:
-    """ZeRO-2 with a layer of ep_size 1 in the model, against one process on the global batch
-    (the task loss alone: the load-balancing loss is a statistic of each rank's tokens), both
-    clipped at the global norm 1.0."""
-    def model():
-        torch.manual_seed(0)
-        moe = layer(1, k=2, drop_tokens=False, top2_2nd_expert_sampling=False)
-        return torch.nn.ModuleDict({"moe": moe, "head": torch.nn.Linear(M, 1)})
+def _model(ep: int) -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    moe = layer(ep, k=2, drop_tokens=False, top2_2nd_expert_sampling=False)
+    torch.manual_seed(1)
+    return torch.nn.ModuleDict({"moe": moe, "head": torch.nn.Linear(M, 1)})
 
-    def loss_of(net, x, y):
-        out, _, _ = net["moe"](x)
-        return torch.nn.functional.mse_loss(net["head"](out).squeeze(-1), y)
 
-    x, y = tokens(world), torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
-    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
-    engine, *_ = shardtrain.initialize(model=model(), config=config)
-    mine = slice(rank * B, (rank + 1) * B)
-    losses = []
-    for _ in range(3):
-        loss = loss_of(engine.module, x[mine], y[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean(loss.detach(), world))
-    got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    engine.destroy()
-    ref_net = model()
-    opt = torch.optim.AdamW(ref_net.parameters(), lr=1e-2, weight_decay=0.0)
-    ref_losses = []
-    for _ in range(3):
-        loss = loss_of(ref_net, x, y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 1.0)  # the config's default clip
-        opt.step()
-        ref_losses.append(loss.item())
-    diff = max((got[n] - p.detach()).abs().max().item() for n, p in ref_net.named_parameters())
-    return {"losses": losses, "ref_losses": ref_losses, "weights": diff}
+def _loss(net, x, y):
+    out, _, _ = net["moe"](x)
+    return torch.nn.functional.mse_loss(net["head"](out).squeeze(-1), y)
+
+
+def case_engine(stage: int, ep: int) -> Callable[[int, int], Dict[str, Any]]:
+    """The engine at ``stage`` with a layer of ``ep_size`` ``ep``, against one process on the
+    global batch with every expert (the task loss alone: the load-balancing loss is a
+    statistic of each rank's tokens), both clipped at the global norm 1.0: losses, and each
+    weight against the one-process weight of the same global expert."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        x = tokens(world)
+        y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
+        config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+        engine, *_ = shardtrain.initialize(model=_model(ep), config=config)
+        mine = slice(rank * B, (rank + 1) * B)
+        losses, norms = [], []
+        for _ in range(3):
+            loss = _loss(engine.module, x[mine], y[mine])
+            engine.backward(loss)
+            engine.step()
+            losses.append(_mean(loss.detach(), world))
+            norms.append(float(engine.get_global_grad_norm()))
+        moe = engine.module["moe"]
+        got = {_global_name(n, moe): p.detach().clone()
+               for n, p in engine.module.named_parameters()}
+        engine.destroy()
+        ref = _model(1)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+        ref_losses, ref_norms = [], []
+        for _ in range(3):
+            loss = _loss(ref, x, y)
+            opt.zero_grad()
+            loss.backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
+            opt.step()
+            ref_losses.append(loss.item())
+        want = dict(ref.named_parameters())
+        diff = max((p - want[n].detach()).abs().max().item() for n, p in got.items())
+        return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
+                "ref_norms": ref_norms, "weights": diff, "checked": len(got)}
+    return case
+
+
+def _global_name(name: str, moe: MoE) -> str:
+    """A local expert's parameter name under its global expert index."""
+    marker = "deepspeed_experts."
+    if marker not in name:
+        return name
+    head, tail = name.split(marker)
+    local, rest = tail.split(".", 1)
+    return f"{head}{marker}{moe.global_expert_ids[int(local)]}.{rest}"
 
 
 def _mean(loss: torch.Tensor, world: int) -> float:
@@ -121,13 +148,48 @@ def _mean(loss: torch.Tensor, world: int) -> float:
     return t.item() / world
 
 
-def case_engine_refuses_ep2(rank: int, world: int) -> str:
-    try:
-        shardtrain.initialize(model=torch.nn.Sequential(layer(2)),
-                              config={"train_micro_batch_size_per_gpu": B})
-    except NotImplementedError as err:
-        return str(err)
-    return ""
+def case_refusals(rank: int, world: int) -> Dict[str, str]:
+    out = {}
+    for name, stage, action in (("stage3", 3, None), ("checkpoint", 2, "save"),
+                                ("deepcompile", 1, "compile")):
+        try:
+            config = {"train_micro_batch_size_per_gpu": B,
+                      "zero_optimization": {"stage": stage},
+                      "compile": {"deepcompile": action == "compile"},
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+            engine, *_ = shardtrain.initialize(model=_model(world), config=config)
+            try:
+                if action == "save":
+                    engine.save_checkpoint("/nonexistent/never-written")
+                elif action == "compile":
+                    engine.compile(backend="aot_eager")
+                out[name] = ""
+            finally:
+                engine.destroy()
+        except NotImplementedError as err:
+            out[name] = str(err)
+    return out
+
+
+def case_lookups(rank: int, world: int) -> Dict[str, Any]:
+    """DeepSpeed's expert-group lookups (deepspeed.utils.groups) for a layer of ep_size 2."""
+    from shardtrain.deepspeed.utils import groups
+    layer(2)
+    name = "ep_size_2"
+    return {"ep": (groups._get_expert_parallel_world_size(name),
+                   groups._get_expert_parallel_rank(name)),
+            "edp": (groups._get_expert_data_parallel_world_size(name),
+                    groups._get_expert_data_parallel_rank(name)),
+            "ranks": (find_expert_groups(name).ep.ranks(), find_expert_groups(name).edp.ranks())}
+
+
+def four_ranks(rank: int, world_size: int) -> Dict[str, Any]:
+    """ep 2 x expert-data-parallel 2: experts summed over their replicas as well."""
+    from _dist import run_cases
+    cases = {"top2": case_layer(k=2, min_capacity=0, capacity_factor=0.5,
+                                top2_2nd_expert_sampling=False), "lookups": case_lookups}
+    cases.update({f"engine_s{stage}_ep2": case_engine(stage, 2) for stage in (0, 2)})
+    return run_cases(cases, rank, world_size)
 
 
 def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
@@ -140,5 +202,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                            top2_2nd_expert_sampling=False),
         "top2_sampled_residual": case_layer(k=2, drop_tokens=False, use_residual=True,
                                             noisy_gate_policy="Jitter"),
-        "engine_ep1": case_engine_ep1, "refuses_ep2": case_engine_refuses_ep2}
+        "refusals": case_refusals}
+    cases.update({f"engine_s{stage}_ep{ep}": case_engine(stage, ep)
+                  for stage, ep in ((2, 1), (0, 2), (1, 2), (2, 2))})
     return run_cases(cases, rank, world_size)

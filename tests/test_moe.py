@@ -2,8 +2,9 @@
 ``cases_moe``): experts split over the expert-parallel group give the single-process layer's
 outputs, load-balancing loss, expert counts and gradients for top-1 (random token selection,
 first-come, dropless) and top-2 (capacity, dropless with the residual and jittered router);
-the engine trains a layer with every expert on every rank as one process does, and refuses
-expert parallelism in training by name."""
+the engine trains layers with every expert on every rank and with experts split over the
+ranks as one process does (ZeRO stages 0-2), and refuses what split experts do not compose
+with by name."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,11 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def run():
     return None, run_ranks("cases_moe:all_cases", WORLD, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def run4():
+    return None, run_ranks("cases_moe:four_ranks", 4, timeout=180)
 
 
 @pytest.mark.parametrize("name", ["top1_rts", "top1_first", "top1_dropless", "top2",
@@ -36,12 +42,42 @@ def test_capacity_drops_tokens_and_dropless_does_not(run):
     assert sum(result(run, "top1_dropless", r)["dropped"] for r in range(WORLD)) == 0
 
 
-def test_the_engine_trains_a_layer_with_every_expert_on_every_rank(run):
-    got = result(run, "engine_ep1", 0)
-    assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
-    assert got["weights"] < ATOL
+@pytest.mark.parametrize("stage,ep", [(2, 1), (0, 2), (1, 2), (2, 2)])
+def test_the_engine_trains_moe_as_one_process_does(run, stage, ep):
+    """Losses, clipped global norms and every weight (a split expert's against the one-process
+    weight of the same global expert) equal single-process training on the global batch."""
+    for rank in range(WORLD):
+        got = result(run, f"engine_s{stage}_ep{ep}", rank)
+        assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+        assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
+        assert got["weights"] < ATOL
 
 
-def test_expert_parallelism_in_training_is_refused_by_name(run):
-    message = result(run, "refuses_ep2", 0)
-    assert "'0' (ep_size 2)" in message and "ep_size=1" in message
+def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
+    got = result(run, "refusals", 0)
+    assert "ZeRO stage 3 with expert-parallel MoE layers" in got["stage3"]
+    assert "engine.save_checkpoint() with expert-parallel MoE layers (ep_size 2)" in \
+        got["checkpoint"]
+    assert "DeepCompile with expert-parallel MoE layers" in got["deepcompile"]
+
+
+def test_four_ranks_ep2_by_expert_data_parallel_2(run4):
+    """Experts on ranks [0, 1] and again on [2, 3]: each expert's gradient summed over its two
+    replicas, the layer's and the engine's results (ZeRO-0 and 2) as one process's."""
+    for rank in range(4):
+        got = result(run4, "top2", rank)
+        assert got["out"] < ATOL and got["experts"] < ATOL and got["dense"] < ATOL, got
+        for stage in (0, 2):
+            got = result(run4, f"engine_s{stage}_ep2", rank)
+            assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+            assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
+            assert got["weights"] < ATOL
+
+
+def test_the_expert_groups_are_deepspeeds_layout(run4):
+    """ep 2 over 4 ranks: expert-parallel [0, 1] and [2, 3], expert-data-parallel [0, 2] and
+    [1, 3], as deepspeed.utils.groups answers for 'ep_size_2'."""
+    for rank in range(4):
+        got = result(run4, "lookups", rank)
+        assert got["ep"] == (2, rank % 2) and got["edp"] == (2, rank // 2)
+        assert got["ranks"] == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2])

@@ -33,13 +33,14 @@ from .log import log_dist, log_dist_once, logger
 from .full_weights import save_full_weights
 from .layout import layout_of
 from .memory import STATE_KINDS, StateOffload, count_bytes
-from .moe import wire_experts
+from .moe import ExpertGroups, is_moe_param, split_experts, wire_experts
 from .optim import MuonWithAuxAdam, build_optimizer, build_scheduler
 from .parallel import Parallelism, build_mesh, parallelize
 from .precision import LossScaler, Precision, build_loss_scaler
 from .state import BackwardPass, Phase, StepState, TrainingParts, TrainState, live_engines
 from .telemetry import StepWatch, build_watch
-from .zero.strategy import ParamSlot, ReducedGrads, ReduceSettings, StrategyProtocol, build_strategy
+from .zero.strategy import (ParamSlot, ReducedGrads, ReduceSettings, StrategyProtocol,
+                            build_strategy, build_with_experts)
 
 __all__ = ["Engine"]
 
@@ -92,7 +93,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.mesh = build_mesh(config, mpu)
         self._build_module()
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
-        wire_experts(self.module)  # mixture-of-experts layers: their expert-parallel groups
+        # mixture-of-experts layers: their expert-parallel groups (None: no layer split)
+        self._experts: Optional[ExpertGroups] = wire_experts(self.module, self.mesh)
+        if self._experts is not None:
+            comm.broadcast_coalesced(split_experts(self.module), group=self._experts.edp)
         if self._parallel.mpu is not None:  # partition_activations and the RNG streams read it
             checkpointing.configure(mpu_=self._parallel.mpu)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
@@ -130,8 +134,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             for b in self.module.buffers() if buffer_dtype is not None else ():
                 if b.is_floating_point():
                     b.data = b.data.to(buffer_dtype)
-        # Replicas must start identical; rank 0's initialisation wins.
-        comm.broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()))
+        # Replicas must start identical; rank 0's initialisation wins (split experts: within
+        # the ranks holding the same ones, once their groups exist).
+        split = {id(p) for p in split_experts(self.module)}
+        comm.broadcast_coalesced([p for p in self.module.parameters() if id(p) not in split]
+                                 + list(self.module.buffers()))
 
     def _build_optimizer(self, optimizer: OptimizerArg, model_parameters):
         params = list(model_parameters) if model_parameters is not None \
@@ -198,6 +205,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                    cfg.data_types.grad_accum_dtype)
         masters = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads \
             else torch.float32
+        if self._experts is not None:
+            return build_with_experts(
+                self.module, [p for p in trainable if not is_moe_param(p)],
+                [p for p in trainable if is_moe_param(p)], cfg.zero_optimization, averaging,
+                self.mesh.zero, self._experts.edp, self._experts.ep, masters)
         return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
                               self.mesh.zero, self.mesh.tp if self.mesh.tp.size() > 1 else None,
                               masters)
@@ -868,6 +880,16 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Whether ``engine.compile()`` has compiled the module."""
         return self._compiled is not None
 
+    def _refuse_split_experts(self, what: str) -> None:
+        """Files that hold the whole model need each expert by its global index, which a
+        layer split over ranks does not record yet: refused by name, before any write."""
+        if self._experts is not None:
+            raise NotImplementedError(
+                f"engine.{what}() with expert-parallel MoE layers (ep_size "
+                f"{self._experts.ep_size}) is not provided: the experts are split over ranks. "
+                "Save each rank's experts with torch.save(engine.module.state_dict()), or "
+                "train with ep_size=1 to save checkpoints.")
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Writes the full module weights (in the module's dtype) to one file; call it on
@@ -882,6 +904,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> engine.save_16bit_model("out", "model.safetensors")
         """
+        self._refuse_split_experts("save_16bit_model")
         frozen = [n for n, p in self.module.named_parameters() if not p.requires_grad] \
             if exclude_frozen_parameters else []
         save_full_weights(self.module, os.path.join(save_dir, save_filename), exclude=frozen)
@@ -1092,6 +1115,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> engine.save_checkpoint("checkpoints", client_state={"epoch": 3})
         """
+        self._refuse_split_experts("save_checkpoint")
         self._require_alive("save_checkpoint()")
         self._require_on_device("save_checkpoint()")
         self._bring_back_compiled_offload()
@@ -1134,6 +1158,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
+        self._refuse_split_experts("load_checkpoint")
         self._require_alive("load_checkpoint()")
         self._require_on_device("load_checkpoint()")
         self._bring_back_compiled_offload()

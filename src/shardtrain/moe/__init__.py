@@ -9,10 +9,11 @@ Example:
     >>> out, l_aux, exp_counts = moe(hidden)
 """
 from ._gating import Routing, capacity
-from ._groups import ExpertGroups, expert_groups
-from .layer import MoE, MOELayer, Experts, TopKGate, wire_experts
+from ._groups import ExpertGroups, expert_groups, find_expert_groups
+from .layer import MoE, MOELayer, Experts, TopKGate, split_experts, wire_experts
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 __all__ = ["MoE", "MOELayer", "Experts", "TopKGate", "Routing", "capacity", "ExpertGroups",
-           "expert_groups", "is_moe_param", "split_params_into_different_moe_groups_for_optimizer",
+           "expert_groups", "find_expert_groups", "is_moe_param",
+           "split_params_into_different_moe_groups_for_optimizer", "split_experts",
            "wire_experts"]

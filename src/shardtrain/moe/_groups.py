@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 
 from .. import comm
 
-__all__ = ["ExpertGroups", "expert_groups", "layout"]
+__all__ = ["ExpertGroups", "expert_groups", "find_expert_groups", "layout"]
 
 
 class ExpertGroups:
@@ -62,3 +62,14 @@ def expert_groups(ep_size: int) -> ExpertGroups:
     _made[ep_size] = made
     comm.before_destroy(_made.clear)
     return made
+
+
+def find_expert_groups(group_name: str) -> ExpertGroups:
+    """The groups made for ``group_name`` (``ep_size_<N>``, an expert parameter's
+    ``group_name``); KeyError when none were made (no MoE layer of that size was wired)."""
+    for made in _made.values():
+        if made.name == group_name:
+            return made
+    raise KeyError(f"no expert-parallel group {group_name!r}: the groups are made when an engine "
+                   "is built around the MoE layers (or by moe.set_deepspeed_parallelism()); made: "
+                   f"{sorted(m.name for m in _made.values())}")

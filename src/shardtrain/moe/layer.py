@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from ..parallel import all_to_all
 from . import _gating
 from ._groups import ExpertGroups, expert_groups
 
-__all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "wire_experts"]
+__all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "split_experts", "wire_experts"]
 
 _NOISY = (None, "Jitter", "RSample")
 
@@ -248,20 +248,30 @@ class MoE(torch.nn.Module):
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
 
 
-def wire_experts(module: torch.nn.Module) -> int:
+def split_experts(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The expert parameters of ``module``'s layers split over ranks (``ep_size`` > 1): each
+    rank holds other experts, so they are not the same on every rank."""
+    return [p for m in module.modules() if isinstance(m, MoE) and m.ep_size > 1
+            for p in m.deepspeed_moe.experts.parameters()]
+
+
+def wire_experts(module: torch.nn.Module, mesh: Optional[comm.Mesh] = None
+                 ) -> Optional[ExpertGroups]:
     """Gives each :class:`MoE` layer of ``module`` its expert-parallel group (a collective:
-    every rank, at the same point); returns how many layers there are. The engine trains
-    layers whose experts are all on every rank (``ep_size`` 1: their gradients are averaged
-    over the data-parallel ranks like the others'); a layer split over ranks is refused by
-    name."""
+    every rank, at the same point); returns the groups of the layers split over ranks
+    (``ep_size`` > 1), or None when none is. Refused by name: layers of different
+    ``ep_size`` in one model, and a split layer on a mesh with tensor or sequence
+    parallelism."""
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
-    split = [f"'{name}' (ep_size {m.ep_size})" for name, m in layers if m.ep_size > 1]
-    if split:
+    sizes = sorted({m.ep_size for _, m in layers if m.ep_size > 1})
+    if len(sizes) > 1:
+        raise NotImplementedError(f"MoE layers with different ep_size {sizes} in one model: "
+                                  "build them with one ep_size.")
+    if sizes and mesh is not None and (mesh.size("tp") > 1 or mesh.size("sp") > 1):
         raise NotImplementedError(
-            "the engine trains MoE layers with every expert on every rank (ep_size 1); "
-            f"expert parallelism is not provided in training: {', '.join(split)}. Build the "
-            "layers with ep_size=1 (the experts then train as data-parallel parameters), or "
-            "run the layer outside the engine.")
+            f"expert-parallel MoE layers (ep_size {sizes[0]}) with tensor or sequence "
+            "parallelism are not provided: set tensor_parallel.autotp_size and "
+            "sequence_parallel_size to 1, or build the layers with ep_size=1.")
     for _, m in layers:
         m.set_deepspeed_parallelism()
-    return len(layers)
+    return expert_groups(sizes[0]) if sizes else None

@@ -35,6 +35,7 @@ import torch
 
 from ..comm import Group
 from . import _collectives as coll
+from ._experts import WithExperts
 from ._gather import SliceGatherer
 from ._in_graph import InGraphForward, InGraphGrads
 from ._groups import partition_model
@@ -47,7 +48,7 @@ from ._schedule import GatherSchedule
 from ._shards import full_numel, shard_range
 
 __all__ = ["Strategy", "StrategyProtocol", "ReducedGrads", "ParamSlot", "ReduceSettings",
-           "build_strategy"]
+           "build_strategy", "build_with_experts"]
 
 
 @dataclasses.dataclass
@@ -381,6 +382,23 @@ def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], ze
     schedule = GatherSchedule(module, units, zero, view.refresh_masters) if units else None
     return Strategy(zero.stage, module, params, grads, view, group, gatherer, schedule, tp,
                     int(zero.reduce_bucket_size))
+
+
+def build_with_experts(module: torch.nn.Module, params: List[torch.nn.Parameter],
+                       experts: List[torch.nn.Parameter], zero: Any, settings: ReduceSettings,
+                       group: Group, edp: Group, ep: Group,
+                       master_dtype: torch.dtype = torch.float32) -> WithExperts:
+    """The strategy of a model with expert-parallel MoE layers: the dense ``params`` over the
+    data-parallel ``group``, the ``experts`` over their expert-data-parallel group ``edp``
+    (averaged by the same ``settings``: the data-parallel size), stages 0-2."""
+    if zero.stage == 3:
+        raise NotImplementedError(
+            "ZeRO stage 3 with expert-parallel MoE layers (ep_size > 1) is not provided: use "
+            "zero_optimization.stage 0, 1 or 2 (the experts are already split over ranks), "
+            "or build the layers with ep_size=1.")
+    return WithExperts(build_strategy(module, params, zero, settings, group, None, master_dtype),
+                       build_strategy(module, experts, zero, settings, edp, None, master_dtype),
+                       ep)
 
 
 def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any,

@@ -6,11 +6,14 @@ is kept here as ``mpu``, as DeepSpeed keeps the one its engine was given), else 
 only engine alive in this process; with neither, the world is one data-parallel group and
 there is no sequence parallelism (DeepSpeed's answers without an ``mpu``). Accelerate's
 ``deepspeed_ulysses_dl_adapter`` (the Hugging Face Trainer's route) reads the
-``_get_sequence_parallel_*`` ones. Expert-parallel groups are not provided.
+``_get_sequence_parallel_*`` ones. The expert-parallel lookups take an expert parameter's
+``group_name`` (``ep_size_<N>``) and answer for the groups the engine made around the model's
+MoE layers (:mod:`shardtrain.moe`).
 """
 from typing import Any, Optional
 
 from shardtrain import comm
+from shardtrain.moe import find_expert_groups
 from shardtrain.state import live_engines
 
 __all__ = ["mpu", "_get_sequence_parallel_group", "_get_sequence_parallel_world_size",
@@ -18,7 +21,10 @@ __all__ = ["mpu", "_get_sequence_parallel_group", "_get_sequence_parallel_world_
            "_get_sequence_data_parallel_world_size", "_get_sequence_data_parallel_rank",
            "_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
            "_get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
-           "get_tensor_model_parallel_rank"]
+           "get_tensor_model_parallel_rank", "_get_expert_parallel_group",
+           "_get_expert_parallel_world_size", "_get_expert_parallel_rank",
+           "_get_expert_data_parallel_group", "_get_expert_data_parallel_world_size",
+           "_get_expert_data_parallel_rank"]
 
 #: the ``MeshMPU`` of the last ``register_with_transformers`` (None before)
 mpu: Any = None
@@ -104,3 +110,33 @@ def get_tensor_model_parallel_world_size() -> int:
 
 def get_tensor_model_parallel_rank() -> int:
     return _rank("tp")
+
+
+def _expert(group_name: str, dim: str) -> comm.Group:
+    return getattr(find_expert_groups(group_name), dim)
+
+
+def _get_expert_parallel_group(group_name: str) -> Any:
+    """torch's process group over which ``group_name``'s experts are split (None: the world)."""
+    return _expert(group_name, "ep").process_group
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return _expert(group_name, "ep").size()
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _expert(group_name, "ep").rank()
+
+
+def _get_expert_data_parallel_group(group_name: str) -> Any:
+    """torch's process group of the ranks holding the same experts of ``group_name``."""
+    return _expert(group_name, "edp").process_group
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return _expert(group_name, "edp").size()
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _expert(group_name, "edp").rank()
