@@ -353,11 +353,15 @@ API: List[Api] = [
         "`--master_addr/--master_port`, `--node_rank`, `--no_local_rank`, `--module`, over "
         "`shardtrain run` (torchrun); starts this machine's processes (no ssh/pdsh): run it on "
         "every node with `--node_rank`"),
-    Api("moe.utils.split_params_into_different_moe_groups_for_optimizer", "differs",
-        "returns the groups as given (no parameter is an expert-parallel one here)"),
-    Api("moe.layer.MoE", "not provided", "MoE with expert parallelism: importing `deepspeed.moe.layer` "
-        "(or `sharded_moe`, `experts`, ...) raises ModuleNotFoundError naming it; a model's own MoE "
-        "block trains at stage 3 as a leaf module"),
+    Api("moe.utils.split_params_into_different_moe_groups_for_optimizer", "supported",
+        "expert parameters in groups of their own per `ep_size` (`moe: True`), cut at "
+        "`max_group_size` elements"),
+    Api("moe.layer.MoE", "differs", "the layer and its arguments; top-1/top-2 gating (k > 2, "
+        "`use_tutel` and expert slicing refused); expert parallelism trains at ZeRO stages 0-2 "
+        "(stage 3 and checkpoints with `ep_size` > 1 refused); without random token selection "
+        "an over-full expert keeps its first tokens ([parallelism.md](parallelism.md#mixtures-of-experts))"),
+    Api("moe.sharded_moe.top1gating", "supported", "DeepSpeed's rule; draws from torch's generator"),
+    Api("moe.sharded_moe.top2gating", "supported", "DeepSpeed's rule; draws from torch's generator"),
     Api("compression.helper.recursive_getattr", "supported", ""),
     Api("compression.helper.recursive_setattr", "supported", ""),
     Api("ops.adam.FusedAdam", "differs", "`torch.optim.Adam` with DeepSpeed's arguments (decoupled "

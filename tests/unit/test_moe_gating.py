@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing (shardtrain.moe._gating) and the expert helpers, in one process:
+"""Mixture-of-experts routing (shardtrain.moe.gating) and the expert helpers, in one process:
 capacity, which tokens an over-full expert keeps, exp_counts before dropping, the
 load-balancing loss, top-2's renormalised gates and slot order, dropless buffers, and the
 optimizer groups DeepSpeed's helpers build."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardtrain.moe import MoE, capacity, is_moe_param
-from shardtrain.moe import _gating as gating
+from shardtrain.moe import gating
 from shardtrain.moe._groups import layout
 from shardtrain.moe.utils import (configure_moe_param_groups, has_moe_layers,
                                   split_params_into_different_moe_groups_for_optimizer)

@@ -19,8 +19,9 @@ _DOCS_PARALLEL = "docs/parallelism.md"
 #: what to use instead of pipeline parallelism while it is not provided
 FIT_A_LARGE_MODEL = ("ZeRO stage 3 (shards every weight) or tensor parallelism "
                      "(tensor_parallel.autotp_size in the config) to fit a large model")
-_MOE = ("DeepSpeed's MoE layer, gating and expert parallelism",
-        "the model's own MoE block, trained at ZeRO stage 3 as a leaf module (set_z3_leaf_modules)")
+_MOE = ("DeepSpeed's MoE internals beyond layer, experts, sharded_moe and utils",
+        "deepspeed.moe.layer.MoE (shardtrain.moe), or the model's own MoE block trained at ZeRO "
+        "stage 3 as a leaf module (set_z3_leaf_modules)")
 _SP = ("Ulysses sequence parallelism from the config: sequence_parallel_size: S (the engine's loader "
        "gives each rank its slice of every sequence; engine.mpu has the groups); "
        f"shardtrain.parallel.enable_ulysses and shard_sequence outside the engine ({_DOCS_PARALLEL})")
@@ -30,8 +31,8 @@ _TP = ("AutoTP from the config: tensor_parallel.autotp_size (with preset_model o
 
 #: DeepSpeed module prefixes -> (the feature, what to use instead). A module at or below a
 #: prefix that this tree does not have is refused with that reason; a prefix may also be a
-#: package the tree provides in part (``deepspeed.moe``: ``moe.utils`` is there, the rest is
-#: refused as MoE). Lifting a refusal is adding the module and removing its entry.
+#: package the tree provides in part (``deepspeed.moe``: ``layer``, ``experts``,
+#: ``sharded_moe`` and ``utils`` are there, the rest is refused). Lifting a refusal is adding the module and removing its entry.
 MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.inference": ("DeepSpeed-Inference (kernel injection, init_inference)",
                             "run the trained torch module directly, or torch.compile it"),

@@ -8,7 +8,7 @@ Example:
     >>> moe = MoE(hidden_size=64, expert=mlp, num_experts=8, ep_size=2, k=2)
     >>> out, l_aux, exp_counts = moe(hidden)
 """
-from ._gating import Routing, capacity
+from .gating import Routing, capacity
 from ._groups import ExpertGroups, expert_groups, find_expert_groups
 from .layer import MoE, MOELayer, Experts, TopKGate, split_experts, wire_experts
 from .utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer

@@ -1,6 +1,6 @@
 """The mixture-of-experts layer, with DeepSpeed's names and semantics
 (``deepspeed.moe.layer.MoE``): a router picks one or two experts per token
-(:mod:`._gating`), the tokens travel to the ranks that hold their experts (all-to-all over
+(:mod:`.gating`), the tokens travel to the ranks that hold their experts (all-to-all over
 the expert-parallel group), the experts run, and the outputs travel back and are combined
 with the gate values.
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..parallel import all_to_all
-from . import _gating
+from . import gating
 from ._groups import ExpertGroups, expert_groups
 
 __all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "split_experts", "wire_experts"]
@@ -37,7 +37,7 @@ _NOISY = (None, "Jitter", "RSample")
 
 class TopKGate(torch.nn.Module):
     """The router: a bias-free fp32 linear map to one logit per expert, then top-1 or top-2
-    gating (:func:`shardtrain.moe._gating.top1` / ``top2``) with the training or evaluation
+    gating (:func:`shardtrain.moe.gating.top1` / ``top2``) with the training or evaluation
     capacity factor. ``Jitter`` multiplies the router's input by uniform noise in
     ``[1 - 1e-2, 1 + 1e-2]`` while training; ``RSample`` adds Gumbel noise to the logits that
     choose the expert while training. Random draws come from :attr:`generator` (None:
@@ -74,12 +74,12 @@ class TopKGate(torch.nn.Module):
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
-            routing = _gating.top1(
+            routing = gating.top1(
                 logits, factor, self.min_capacity, used_token,
                 self.noisy_gate_policy if self.training else None, self.drop_tokens,
                 self.use_rts, self.generator, self._agree)
         else:
-            routing = _gating.top2(logits, factor, self.min_capacity, self.drop_tokens,
+            routing = gating.top2(logits, factor, self.min_capacity, self.drop_tokens,
                                    self.top2_2nd_expert_sampling, self.generator, self._agree)
         return routing.as_tuple()
 

@@ -1,6 +1,6 @@
-"""``deepspeed.moe``: the parameter-group helpers. DeepSpeed's MoE layer (with expert
-parallelism) is not provided; a model's own MoE block trains at ZeRO-3 as a leaf module
-(``deepspeed.utils.set_z3_leaf_modules``)."""
-from . import utils
+"""``deepspeed.moe``: the mixture-of-experts layer with expert parallelism (``layer.MoE``),
+its experts, router and gating functions (``experts``, ``sharded_moe``) and the
+parameter-group helpers (``utils``), over :mod:`shardtrain.moe`."""
+from . import experts, layer, sharded_moe, utils
 
-__all__ = ["utils"]
+__all__ = ["experts", "layer", "sharded_moe", "utils"]
