@@ -32,7 +32,8 @@ _TP = ("AutoTP from the config: tensor_parallel.autotp_size (with preset_model o
 #: DeepSpeed module prefixes -> (the feature, what to use instead). A module at or below a
 #: prefix that this tree does not have is refused with that reason; a prefix may also be a
 #: package the tree provides in part (``deepspeed.moe``: ``layer``, ``experts``,
-#: ``sharded_moe`` and ``utils`` are there, the rest is refused). Lifting a refusal is adding the module and removing its entry.
+#: ``sharded_moe`` and ``utils`` are there, the rest is refused). Lifting a refusal is adding
+#: the module and removing its entry.
 MISSING_MODULES: Dict[str, Tuple[str, str]] = {
     "deepspeed.inference": ("DeepSpeed-Inference (kernel injection, init_inference)",
                             "run the trained torch module directly, or torch.compile it"),
