@@ -42,7 +42,7 @@ def test_capacity_drops_tokens_and_dropless_does_not(run):
     assert sum(result(run, "top1_dropless", r)["dropped"] for r in range(WORLD)) == 0
 
 
-@pytest.mark.parametrize("stage,ep", [(2, 1), (0, 2), (1, 2), (2, 2)])
+@pytest.mark.parametrize("stage,ep", [(2, 1), (0, 2), (1, 2), (2, 2), (3, 2)])
 def test_the_engine_trains_moe_as_one_process_does(run, stage, ep):
     """Losses, clipped global norms and every weight (a split expert's against the one-process
     weight of the same global expert) equal single-process training on the global batch."""
@@ -55,7 +55,6 @@ def test_the_engine_trains_moe_as_one_process_does(run, stage, ep):
 
 def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
     got = result(run, "refusals", 0)
-    assert "ZeRO stage 3 with expert-parallel MoE layers" in got["stage3"]
     assert "engine.save_checkpoint() with expert-parallel MoE layers (ep_size 2)" in \
         got["checkpoint"]
     assert "DeepCompile with expert-parallel MoE layers" in got["deepcompile"]
@@ -63,11 +62,11 @@ def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
 
 def test_four_ranks_ep2_by_expert_data_parallel_2(run4):
     """Experts on ranks [0, 1] and again on [2, 3]: each expert's gradient summed over its two
-    replicas, the layer's and the engine's results (ZeRO-0 and 2) as one process's."""
+    replicas, the layer's and the engine's results (ZeRO-0, 2 and 3) as one process's."""
     for rank in range(4):
         got = result(run4, "top2", rank)
         assert got["out"] < ATOL and got["experts"] < ATOL and got["dense"] < ATOL, got
-        for stage in (0, 2):
+        for stage in (0, 2, 3):
             got = result(run4, f"engine_s{stage}_ep2", rank)
             assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
             assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)

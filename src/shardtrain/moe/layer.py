@@ -35,6 +35,14 @@ __all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "split_experts", "wire_expe
 _NOISY = (None, "Jitter", "RSample")
 
 
+class _Router(torch.nn.Linear):
+    """The router's bias-free linear map, computed in fp32 whatever the weight's dtype (a
+    module of its own, so that ZeRO-3 gathers its weight around its forward)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input.float(), self.weight.float())
+
+
 class TopKGate(torch.nn.Module):
     """The router: a bias-free fp32 linear map to one logit per expert, then top-1 or top-2
     gating (:func:`shardtrain.moe.gating.top1` / ``top2``) with the training or evaluation
@@ -54,7 +62,7 @@ class TopKGate(torch.nn.Module):
                                       "or k=2.")
         if noisy_gate_policy not in _NOISY:
             raise ValueError(f"MoE noisy_gate_policy {noisy_gate_policy!r}: use one of {_NOISY}.")
-        self.wg = torch.nn.Linear(model_dim, num_experts, bias=False).float()
+        self.wg = _Router(model_dim, num_experts, bias=False).float()
         self.k, self.num_experts = k, num_experts
         self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
         self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
@@ -71,7 +79,7 @@ class TopKGate(torch.nn.Module):
             eps = 1e-2
             noise = torch.rand(x.shape, generator=self.generator, device="cpu").to(x.device)
             x = x * (1.0 - eps + 2 * eps * noise)
-        logits = F.linear(x, self.wg.weight.float())
+        logits = self.wg(x)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             routing = gating.top1(

@@ -6,7 +6,8 @@ rank that holds it already sums what every rank's tokens contributed (they trave
 so it is summed over the expert-data-parallel group only and divided by the whole
 data-parallel size, as the dense gradients are: single-process training's gradient
 (DeepSpeed's rule since its fix of expert gradient scaling). ZeRO shards the experts'
-gradients and optimizer states over the expert-data-parallel group. The global norm adds the
+gradients and optimizer states over the expert-data-parallel group; at stage 3 the experts
+stay whole on their ranks (each holds its share of the layer already), trained as at stage 2. The global norm adds the
 experts' squares, summed over the expert-parallel group (each expert counted once), to the
 dense ones'.
 

@@ -13,7 +13,7 @@ group and are all-gathered after the step as at stage 2.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -137,13 +137,15 @@ class Units:
         return self.by_module.get(id(m), [])
 
 
-def partition_model(module: torch.nn.Module, group: Group, zero: Any) -> Units:
-    """Partitions ``module``'s parameters (but the small ones) and groups them into units.
+def partition_model(module: torch.nn.Module, group: Group, zero: Any,
+                    keep_whole: Sequence[torch.nn.Parameter] = ()) -> Units:
+    """Partitions ``module``'s parameters (but the small ones, and ``keep_whole``: split
+    experts, which another strategy trains) and groups them into units.
 
     ``zero`` is the ``zero_optimization`` config (persistence thresholds, leaf modules,
     parameter offload).
     """
-    _partition_params(module, group, zero)
+    _partition_params(module, group, zero, {id(p) for p in keep_whole})
     leaf.apply_config(module, zero.leaf_module, int(zero.module_granularity_threshold))
     leaves = {id(m) for m in leaf.outermost_leaves(module)}
     units = Units(inside_leaf={id(x) for m in module.modules() if id(m) in leaves
@@ -170,8 +172,10 @@ def partition_model(module: torch.nn.Module, group: Group, zero: Any) -> Units:
     return units
 
 
-def _partition_params(module: torch.nn.Module, group: Group, zero: Any) -> None:
-    unique = list({id(p): p for p in module.parameters()}.values())
+def _partition_params(module: torch.nn.Module, group: Group, zero: Any,
+                      keep_whole: Set[int]) -> None:
+    unique = [p for p in {id(p): p for p in module.parameters()}.values()
+              if id(p) not in keep_whole]
     budget = int(zero.model_persistence_threshold)
     for p in sorted(unique, key=full_numel):
         small = full_numel(p) <= int(zero.param_persistence_threshold)

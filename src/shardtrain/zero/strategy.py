@@ -29,7 +29,7 @@ locally. Every hook a strategy installs is removed by :meth:`Strategy.remove_hoo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -355,13 +355,14 @@ class Strategy:
 
 def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], zero: Any,
                    settings: ReduceSettings, group: Group, tp: Optional[Group] = None,
-                   master_dtype: torch.dtype = torch.float32) -> Strategy:
+                   master_dtype: torch.dtype = torch.float32,
+                   keep_whole: Sequence[torch.nn.Parameter] = ()) -> Strategy:
     """Assembles the strategy of ``zero.stage`` (``zero`` is the ``zero_optimization``
     config) for the trainable ``params`` of ``module`` on the data-parallel ``group``
     (``tp``: the tensor-parallel group, when the model's layers are split over one;
     ``master_dtype``: the optimizer's copies of 16-bit parameters, fp32 unless the config
     keeps bf16 masters, at stages 1-3)."""
-    units = partition_model(module, group, zero) if zero.stage == 3 else None
+    units = partition_model(module, group, zero, keep_whole) if zero.stage == 3 else None
     buckets = [FlatBucket(group, flat=zero.stage < 2, dtype=settings.accum_dtype)
                for group in split_into_buckets(params, int(zero.reduce_bucket_size))]
     overlap = bool(zero.overlap_comm)
@@ -389,16 +390,15 @@ def build_with_experts(module: torch.nn.Module, params: List[torch.nn.Parameter]
                        group: Group, edp: Group, ep: Group,
                        master_dtype: torch.dtype = torch.float32) -> WithExperts:
     """The strategy of a model with expert-parallel MoE layers: the dense ``params`` over the
-    data-parallel ``group``, the ``experts`` over their expert-data-parallel group ``edp``
-    (averaged by the same ``settings``: the data-parallel size), stages 0-2."""
-    if zero.stage == 3:
-        raise NotImplementedError(
-            "ZeRO stage 3 with expert-parallel MoE layers (ep_size > 1) is not provided: use "
-            "zero_optimization.stage 0, 1 or 2 (the experts are already split over ranks), "
-            "or build the layers with ep_size=1.")
-    return WithExperts(build_strategy(module, params, zero, settings, group, None, master_dtype),
-                       build_strategy(module, experts, zero, settings, edp, None, master_dtype),
-                       ep)
+    data-parallel ``group`` at the config's stage, the ``experts`` over their
+    expert-data-parallel group ``edp`` (averaged by the same ``settings``: the data-parallel
+    size). At stage 3 the experts are not partitioned (each rank holds its own whole, already
+    a share of the layer) and their gradients and optimizer states are sharded as at stage 2."""
+    dense = build_strategy(module, params, zero, settings, group, None, master_dtype,
+                           keep_whole=experts)
+    expert_zero = zero.model_copy(update={"stage": 2}) if zero.stage == 3 else zero
+    return WithExperts(dense, build_strategy(module, experts, expert_zero, settings, edp, None,
+                                             master_dtype), ep)
 
 
 def _sharded_view(params: List[torch.nn.Parameter], group: Group, offload: Any,
