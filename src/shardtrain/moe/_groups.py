@@ -56,8 +56,9 @@ def expert_groups(ep_size: int) -> ExpertGroups:
         made = ExpertGroups(ep_size, comm.Group(None, "ep", solo=True),
                             comm.Group(None, "edp", solo=True), 0)
     else:
-        ep = comm.WORLD if ep_size == world else comm.split_groups(ep_ranks, name="ep")
-        edp = comm.WORLD if ep_size == 1 else comm.split_groups(edp_ranks, name="edp")
+        # a group over every rank is the world's, under its own name
+        ep = comm.Group(None, "ep") if ep_size == world else comm.split_groups(ep_ranks, "ep")
+        edp = comm.Group(None, "edp") if ep_size == 1 else comm.split_groups(edp_ranks, "edp")
         made = ExpertGroups(ep_size, ep, edp, rank % ep_size)
     _made[ep_size] = made
     comm.before_destroy(_made.clear)
