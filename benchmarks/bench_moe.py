@@ -67,7 +67,8 @@ def setups(world: int) -> Dict[str, Dict[str, int]]:
 
 
 class Counter:
-    """Bytes handed to collectives, by the group they go over (only groups of 2 or more)."""
+    """Bytes handed to collectives, by the group they go over (only groups of 2 or more); the
+    all-to-alls apart."""
 
     def __init__(self):
         self.bytes: Dict[str, int] = {}
@@ -76,7 +77,7 @@ class Counter:
     def __call__(self, op: str, tensor: torch.Tensor, group) -> None:
         if not self.on or (group is not None and group.size() == 1):
             return
-        name = "world" if group is None else group.name
+        name = "all_to_all" if op == "all_to_all" else "world" if group is None else group.name
         self.bytes[name] = self.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
 
 
@@ -157,26 +158,31 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
     shardtrain.destroy()
 
 
-def report(fields, args, results: List[Dict[str, Any]]) -> None:
+def report(fields, args, results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     tokens = args.micro * args.seq
     print(f"\nmodel: {fields['layers']} MoE layers of {fields['experts']} experts, hidden "
           f"{fields['hidden']}; {args.world} ranks x {args.micro} x {args.seq} tokens; "
           f"torch {torch.__version__}")
     base = statistics.median(results[0]["times"])
+    rows = []
     print(f"  {'setup':7} {'step ms':>8} {'vs dense':>8} {'states KiB':>10} "
           f"{'all-to-all KiB':>14} {'analytic':>9} {'other KiB':>10}  loss")
     for r in results:
         t = statistics.median(r["times"])
-        a2a = r["bytes"].get("ep", 0)
+        a2a = r["bytes"].get("all_to_all", 0)
         ep = int(r["name"][2:]) if r["name"].startswith("ep") else 1
         other = sum(r["bytes"].values()) - a2a
         expect = analytic_all_to_all(fields, tokens) if ep > 1 else 0
         print(f"  {r['name']:7} {t * 1e3:8.1f} {t / base:8.3f} {r['states']['total'] / 1024:10.0f} "
               f"{a2a / 1024:14.0f} {expect / 1024:9.0f} {other / 1024:10.0f}  "
               f"{r['losses'][-1]:.4f}")
+        rows.append({"setup": r["name"], "step_s": t, "states": r["states"]["total"],
+                     "all_to_all": a2a, "analytic": expect, "other": other,
+                     "losses": r["losses"]})
     print("  states: this rank's parameters, gradients, masters and optimizer states; "
           "all-to-all: bytes this rank handed to the expert-parallel all-to-alls per step; "
           "other: every other collective (gradient reduction, gathers, norms).")
+    return rows
 
 
 def main(argv=None):
@@ -188,9 +194,9 @@ def main(argv=None):
     sys.path.insert(0, str(ROOT / "src"))
     results = [run_ranks(_worker, args.world, args, fields, name, setup)
                for name, setup in chosen.items()]
-    report(fields, args, results)
+    rows = report(fields, args, results)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

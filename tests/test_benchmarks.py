@@ -114,6 +114,22 @@ def test_parallel_benchmark_smoke_run(tmp_path):
     assert set(rows[1]["analytic"]) == {"tp"} and set(rows[3]["analytic"]) == {"sp", "zero"}
 
 
+def test_moe_benchmark_smoke_run(tmp_path):
+    """bench_moe.py on the tiny model, 2 ranks: dense, leaf-module ZeRO-3 and ep2 train to the
+    same losses, and ep2's all-to-all moves exactly the analytic volume."""
+    out = tmp_path / "moe.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_moe.py"), "--tiny", "--world", "2",
+         "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setup"] for r in rows] == ["dense", "leaf3", "ep2"]
+    for r in rows[1:]:
+        assert r["losses"] == pytest.approx(rows[0]["losses"], abs=1e-5)
+    assert rows[2]["all_to_all"] == rows[2]["analytic"] > 0
+    assert rows[2]["states"] < rows[0]["states"]
+
+
 def test_diagnostics_benchmark_smoke_run(tmp_path):
     """bench_diagnostics.py on the tiny GPT at stages 0 and 3: every variant is timed, the
     stage-3 step issues more collectives than stage 0's, and the costs measured alone are
