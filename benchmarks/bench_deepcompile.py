@@ -10,7 +10,7 @@ two warm-up steps' time, which includes compiling (DeepCompile's schedule starts
 passes at step 1, so the timed steps run them). Two models: the default one, and one of many
 small layers, where the host's per-layer work (hooks, Python) weighs most.
 
-    python benchmarks/bench_deepcompile.py                  # both models, stages 1 and 3
+    python benchmarks/bench_deepcompile.py                  # both models, stages 1, 2 and 3
     python benchmarks/bench_deepcompile.py --models small --stages 3 --blocks 3
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2, help="processes (default 2)")
     p.add_argument("--models", default="small,many_layers", help=f"of {sorted(MODELS)}")
-    p.add_argument("--stages", default="1,3", help="ZeRO stages (default 1,3)")
+    p.add_argument("--stages", default="1,2,3", help="ZeRO stages (default 1,2,3)")
     p.add_argument("--micro", type=int, default=8, help="micro-batch per rank (default 8)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--blocks", type=int, default=4, help="timed blocks per engine (default 4)")

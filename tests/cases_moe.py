@@ -6,6 +6,7 @@ rank and one split over the ranks, at ZeRO stages 0-2, against single-process tr
 what it refuses with split experts."""
 from __future__ import annotations
 
+import tempfile
 from typing import Any, Callable, Dict
 
 import torch
@@ -144,6 +145,68 @@ def case_engine(stage: int, ep: int) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
+def _reference(world: int, steps: int):
+    """One process on the global batches: per-step losses, and the weights after each step."""
+    x = tokens(world)
+    y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
+    ref = _model(1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    losses, weights = [], []
+    for _ in range(steps):
+        loss = _loss(ref, x, y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        weights.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+    return x, y, losses, weights
+
+
+def case_checkpoint(saved_with=(2, 2), loads=(("split_s1", 2, 1), ("dense_s3", 1, 3))):
+    """Two steps with ``saved_with`` (ep_size, stage), saved; loaded by an engine of each of
+    ``loads`` (name, ep_size, stage), each training the third step; the checkpoint
+    consolidated into one model's weights."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        return _checkpoint(rank, world, saved_with, loads)
+    return case
+
+
+def _checkpoint(rank: int, world: int, saved_with, loads) -> Dict[str, Any]:
+    from shardtrain.checkpoint import full_weights
+    x, y, ref_losses, ref_weights = _reference(world, 3)
+    mine = slice(rank * B, (rank + 1) * B)
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="moe-ckpt-") if rank == 0 else "")
+
+    def engine_for(ep: int, stage: int):
+        config = {"train_micro_batch_size_per_gpu": B,
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+        return shardtrain.initialize(model=_model(ep), config=config)[0]
+
+    def step(engine) -> float:
+        loss = _loss(engine, x[mine], y[mine])
+        engine.backward(loss)
+        engine.step()
+        return _mean(loss.detach(), world)
+
+    engine = engine_for(*saved_with)
+    first = [step(engine) for _ in range(2)]
+    engine.save_checkpoint(root, tag="two")
+    engine.destroy()
+    out: Dict[str, Any] = {"first": first, "ref_losses": ref_losses}
+    for name, ep, stage in loads:
+        resumed = engine_for(ep, stage)
+        resumed.load_checkpoint(root, tag="two")
+        out[name] = step(resumed)
+        resumed.destroy()
+    weights = full_weights(root, tag="two")
+    out["names"] = sorted(weights) == sorted(ref_weights[1])
+    out["weights"] = max((weights[n].float() - w).abs().max().item()
+                         for n, w in ref_weights[1].items())
+    return out
+
+
 def _global_name(name: str, moe: MoE) -> str:
     """A local expert's parameter name under its global expert index."""
     marker = "deepspeed_experts."
@@ -162,7 +225,7 @@ def _mean(loss: torch.Tensor, world: int) -> float:
 
 def case_refusals(rank: int, world: int) -> Dict[str, str]:
     out = {}
-    for name, stage, action in (("checkpoint", 2, "save"), ("deepcompile", 1, "compile")):
+    for name, stage, action in (("save_16bit_model", 2, "save"), ("deepcompile", 1, "compile")):
         try:
             config = {"train_micro_batch_size_per_gpu": B,
                       "zero_optimization": {"stage": stage},
@@ -171,7 +234,7 @@ def case_refusals(rank: int, world: int) -> Dict[str, str]:
             engine, *_ = shardtrain.initialize(model=_model(world), config=config)
             try:
                 if action == "save":
-                    engine.save_checkpoint("/nonexistent/never-written")
+                    engine.save_16bit_model("/nonexistent/never-written")
                 elif action == "compile":
                     engine.compile(backend="aot_eager")
                 out[name] = ""
@@ -198,7 +261,9 @@ def four_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     """ep 2 x expert-data-parallel 2: experts summed over their replicas as well."""
     from _dist import run_cases
     cases = {"top2": case_layer(k=2, min_capacity=0, capacity_factor=0.5,
-                                top2_2nd_expert_sampling=False), "lookups": case_lookups}
+                                top2_2nd_expert_sampling=False), "lookups": case_lookups,
+             # saved with 2 replicas of each expert; loaded with each expert on one rank
+             "checkpoint": case_checkpoint((2, 2), (("ep4_s1", 4, 1), ("dense_s0", 1, 0)))}
     cases.update({f"engine_s{stage}_ep2": case_engine(stage, 2) for stage in (0, 2, 3)})
     return run_cases(cases, rank, world_size)
 
@@ -213,7 +278,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                            top2_2nd_expert_sampling=False),
         "top2_sampled_residual": case_layer(k=2, drop_tokens=False, use_residual=True,
                                             noisy_gate_policy="Jitter"),
-        "refusals": case_refusals}
+        "refusals": case_refusals, "checkpoint": case_checkpoint()}
     cases.update({f"engine_s{stage}_ep{ep}": case_engine(stage, ep)
                   for stage, ep in ((2, 1), (0, 2), (1, 2), (2, 2), (3, 2))})
     return run_cases(cases, rank, world_size)

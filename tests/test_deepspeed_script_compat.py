@@ -357,8 +357,8 @@ API: List[Api] = [
         "expert parameters in groups of their own per `ep_size` (`moe: True`), cut at "
         "`max_group_size` elements"),
     Api("moe.layer.MoE", "differs", "the layer and its arguments; top-1/top-2 gating (k > 2, "
-        "`use_tutel` and expert slicing refused); expert parallelism trains at ZeRO stages 0-3 "
-        "(checkpoints with `ep_size` > 1 refused); without random token selection "
+        "`use_tutel` and expert slicing refused); expert parallelism trains at ZeRO stages 0-3, "
+        "its checkpoints move between `ep_size`s; without random token selection "
         "an over-full expert keeps its first tokens ([parallelism.md](parallelism.md#mixtures-of-experts))"),
     Api("moe.sharded_moe.top1gating", "supported", "DeepSpeed's rule; draws from torch's generator"),
     Api("moe.sharded_moe.top2gating", "supported", "DeepSpeed's rule; draws from torch's generator"),

@@ -55,8 +55,8 @@ def test_the_engine_trains_moe_as_one_process_does(run, stage, ep):
 
 def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
     got = result(run, "refusals", 0)
-    assert "engine.save_checkpoint() with expert-parallel MoE layers (ep_size 2)" in \
-        got["checkpoint"]
+    assert "engine.save_16bit_model() with expert-parallel MoE layers (ep_size 2)" in \
+        got["save_16bit_model"]
     assert "DeepCompile with expert-parallel MoE layers" in got["deepcompile"]
 
 
@@ -80,3 +80,26 @@ def test_the_expert_groups_are_deepspeeds_layout(run4):
         got = result(run4, "lookups", rank)
         assert got["ep"] == (2, rank % 2) and got["edp"] == (2, rank // 2)
         assert got["ranks"] == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2])
+
+
+def test_checkpoints_of_split_experts_describe_the_unsplit_model(run):
+    """Saved with experts split over 2 ranks at ZeRO-2, the checkpoint resumes training exactly
+    with split experts at ZeRO-1 and with every expert on every rank at ZeRO-3, and
+    consolidates into the one-process model's weights, every expert under its own name."""
+    for rank in range(WORLD):
+        got = result(run, "checkpoint", rank)
+        assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
+        assert got["split_s1"] == pytest.approx(got["ref_losses"][2], abs=ATOL)
+        assert got["dense_s3"] == pytest.approx(got["ref_losses"][2], abs=ATOL)
+        assert got["names"] and got["weights"] < ATOL
+
+
+def test_checkpoints_move_between_expert_parallel_sizes_on_four_ranks(run4):
+    """Saved with ep 2 x expert-data-parallel 2 at ZeRO-2; resumed with ep 4 at ZeRO-1 and
+    with every expert on every rank at ZeRO-0: the uninterrupted run's third loss."""
+    for rank in range(4):
+        got = result(run4, "checkpoint", rank)
+        assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
+        for name in ("ep4_s1", "dense_s0"):
+            assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
+        assert got["names"] and got["weights"] < ATOL

@@ -881,14 +881,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return self._compiled is not None
 
     def _refuse_split_experts(self, what: str) -> None:
-        """Files that hold the whole model need each expert by its global index, which a
-        layer split over ranks does not record yet: refused by name, before any write."""
+        """One file of the whole model's weights from experts split over ranks is not
+        written: refused by name, before any write (checkpoints hold them)."""
         if self._experts is not None:
             raise NotImplementedError(
                 f"engine.{what}() with expert-parallel MoE layers (ep_size "
                 f"{self._experts.ep_size}) is not provided: the experts are split over ranks. "
-                "Save each rank's experts with torch.save(engine.module.state_dict()), or "
-                "train with ep_size=1 to save checkpoints.")
+                "Save a checkpoint (engine.save_checkpoint) and consolidate it (`shardtrain "
+                "consolidate`), which writes every expert under its index.")
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -1115,7 +1115,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> engine.save_checkpoint("checkpoints", client_state={"epoch": 3})
         """
-        self._refuse_split_experts("save_checkpoint")
         self._require_alive("save_checkpoint()")
         self._require_on_device("save_checkpoint()")
         self._bring_back_compiled_offload()
@@ -1158,7 +1157,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("checkpoints")
         """
-        self._refuse_split_experts("load_checkpoint")
         self._require_alive("load_checkpoint()")
         self._require_on_device("load_checkpoint()")
         self._bring_back_compiled_offload()

@@ -150,3 +150,15 @@ def test_optimizer_groups_split_expert_parameters_off():
     assert again is groups  # moe groups exist already
     with pytest.raises(TypeError, match="must be a list"):
         configure_moe_param_groups(tuple(params))
+
+
+def test_an_expert_split_names_the_expert_in_the_unsplit_model():
+    from shardtrain.layout import ExpertSplit
+    split = ExpertSplit(index=1, num_local=2, ep_size=4, ep_rank=3)
+    assert split.global_name("blocks.0.moe.deepspeed_moe.experts.deepspeed_experts.1.0.weight") \
+        == "blocks.0.moe.deepspeed_moe.experts.deepspeed_experts.7.0.weight"
+    assert [split.global_name("m.deepspeed_experts.1.w", r) for r in range(4)] == \
+        ["m.deepspeed_experts.1.w", "m.deepspeed_experts.3.w", "m.deepspeed_experts.5.w",
+         "m.deepspeed_experts.7.w"]
+    with pytest.raises(ValueError, match="not the name of local expert 1"):
+        split.global_name("m.deepspeed_experts.0.w")

@@ -124,15 +124,39 @@ def plain_layout(parts: TrainingParts) -> bool:
     data-parallel group of a mesh)."""
     mesh = parts.mesh
     spread = mesh is None or mesh.zero.size() == comm.get_world_size()
-    return spread and not any_tp_split(parts)
+    return spread and not any_tp_split(parts) and not any_split_expert(parts)
+
+
+def any_split_expert(parts: TrainingParts) -> bool:
+    return any(layout_of(p).expert is not None for p in parts.module.parameters())
+
+
+def saved_names(name: str, p: torch.Tensor) -> List[str]:
+    """The names a parameter's values have in the checkpoint, which describes the unsplit
+    model: its own name, or for a split expert the name of the expert it is on each rank of
+    its expert-parallel group (in that rank order)."""
+    split = layout_of(p).expert
+    if split is None:
+        return [name]
+    return [split.global_name(name, r) for r in range(split.ep_size)]
+
+
+def saved_name(name: str, p: torch.Tensor) -> str:
+    """The checkpoint's name for this rank's parameter ``name``."""
+    split = layout_of(p).expert
+    return name if split is None else split.global_name(name)
 
 
 def any_tp_split(parts: TrainingParts) -> bool:
     return any(layout_of(p).tp is not None for p in parts.module.parameters())
 
 
-def zero_group(parts: TrainingParts) -> comm.Group:
-    """The group the optimizer's slices are spread over."""
+def zero_group(parts: TrainingParts, p: Optional[torch.Tensor] = None) -> comm.Group:
+    """The group the optimizer's slices (of ``p``) are spread over: a split expert's, its
+    expert-data-parallel group."""
+    groups = layout_of(p).expert_groups if p is not None else None
+    if groups is not None:
+        return groups[1]
     return parts.mesh.zero if parts.mesh is not None else comm.WORLD
 
 

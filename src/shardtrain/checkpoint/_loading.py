@@ -122,8 +122,11 @@ def _read_everything(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
 def _check_model(parts: TrainingParts, meta: Dict[str, Any], where: str, strict: bool) -> None:
     """Names and shapes: a checkpoint of another model is refused before anything is read."""
     ckpt_dir = os.path.dirname(where)
+    # a split expert answers for the experts every rank of its group holds under its name
+    params = {saved: p for name, p in engine_state.named_params(parts)
+              for saved in engine_state.saved_names(name, p)}
     for kind, saved, current in (
-            ("parameter", meta["params"], dict(engine_state.named_params(parts))),
+            ("parameter", meta["params"], params),
             ("buffer", meta["buffers"], dict(engine_state.named_buffers(parts)))):
         for name, entry in saved.items():
             if name in current and list(entry["shape"]) != engine_state.shape(current[name]):
@@ -145,10 +148,11 @@ def _check_model(parts: TrainingParts, meta: Dict[str, Any], where: str, strict:
 def _read_module(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
                  loaded: Loaded) -> None:
     for name, p in engine_state.named_params(parts):
-        entry = meta["params"].get(name)
+        saved = engine_state.saved_name(name, p)
+        entry = meta["params"].get(saved)
         if entry is None:
             continue
-        key = module_key(entry, name, p.dtype)
+        key = module_key(entry, saved, p.dtype)
         own = engine_state.own_shard(p)
         if own is not None:  # only this rank's shard: a rank never holds the whole model
             lo, hi = own
@@ -199,16 +203,17 @@ def _read_optimizer(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
                     loaded: Loaded) -> None:
     """This rank's optimizer slice [lo, hi) of each master and per-element state."""
     for name, t in engine_state.trainables(parts).items():
-        entry = meta["params"].get(name)
+        saved = engine_state.saved_name(name, t.param)
+        entry = meta["params"].get(saved)
         if t.tensor is None or entry is None:
             continue
         if t.has_master:
-            key = f"master/{name}" if entry.get("master") else f"param/{name}"
+            key = f"master/{saved}" if entry.get("master") else f"param/{saved}"
             loaded.masters[name] = mesh.read_local(reader, key, entry_for(entry, key), t.param,
                                                    t.lo, t.hi).to(torch.float32)
         state = entry.get("state")
         if state is not None:
-            loaded.states[name] = _read_state(parts, reader, name, entry, t)
+            loaded.states[name] = _read_state(parts, reader, saved, entry, t)
 
 
 def _read_state(parts: TrainingParts, reader: Reader, name: str, entry: Dict[str, Any],

@@ -17,7 +17,7 @@ import torch
 
 from .. import comm
 from ..state import TrainingParts
-from ..layout import shard_range
+from ..layout import layout_of, shard_range
 from . import _engine_state as engine_state
 from ._engine_state import Trainable
 from ._format import FORMAT, FORMAT_VERSION, Piece, dtype_name, encode
@@ -65,15 +65,51 @@ def _params_meta(parts: TrainingParts, trainables: Dict[str, Trainable], exclude
                  world: int) -> Tuple[Dict[str, Any], List[str]]:
     """Every parameter's entry, and the names of the frozen ones left out."""
     params, excluded = {}, []
-    for name, p in engine_state.named_params(parts):
+    for saved, name, p in _in_saved_order(engine_state.named_params(parts)):
         if name in trainables:
-            params[name] = _trainable_meta(parts, trainables[name], world)
+            params[saved] = _trainable_meta(parts, trainables[name], world)
         elif exclude_frozen:
-            excluded.append(name)
+            excluded.append(saved)
         else:
             n = engine_state.numel(p)
-            params[name] = _tensor_meta(p, [(0, 0, n)] if n else [])
+            params[saved] = _tensor_meta(p, [(0, 0, n)] if n else [])
     return params, excluded
+
+
+def _in_saved_order(named: List[Tuple[str, torch.nn.Parameter]]
+                    ) -> List[Tuple[str, str, torch.nn.Parameter]]:
+    """``(saved name, name, parameter)`` in the unsplit model's order: a split expert's
+    parameter stands for one expert on each rank of its expert-parallel group, and a
+    layer's experts come in their global order (rank 0's first), each one's parameters in
+    the module's order."""
+    out: List[Tuple[str, str, torch.nn.Parameter]] = []
+    run: List[Tuple[str, torch.nn.Parameter]] = []  # one layer's expert parameters
+
+    def flush():
+        seen: Dict[int, int] = {}
+        keyed = []
+        for name, p in run:
+            split = layout_of(p).expert
+            position = seen[split.index] = seen.get(split.index, -1) + 1
+            for r in range(split.ep_size):
+                keyed.append(((r * split.num_local + split.index, position),
+                              (split.global_name(name, r), name, p)))
+        out.extend(item for _, item in sorted(keyed, key=lambda k: k[0]))
+        run.clear()
+
+    layer = None
+    for name, p in named:
+        split = layout_of(p).expert
+        here = None if split is None else name.rpartition(f"{split.marker}.")[0]
+        if here != layer:
+            flush()
+            layer = here
+        if split is None:
+            out.append((name, name, p))
+        else:
+            run.append((name, p))
+    flush()
+    return out
 
 
 def _tensor_meta(t: torch.Tensor, pieces: List[Piece]) -> Dict[str, Any]:

@@ -1,8 +1,12 @@
 """Between this rank's tensors and the unsplit model a checkpoint describes, on a device mesh.
 
 A checkpoint holds every tensor of the unsplit model, cut into even shards over the saving
-world, so it loads on any mesh. Without a mesh a rank's optimizer slice *is* its even shard
-(:mod:`._staging` writes it as it is). On a mesh it is not: the optimizer's slices are spread
+world, so it loads on any mesh. A split expert's parameter is one of several experts under one
+name (each rank of its expert-parallel group holds another): saving gathers them over that
+group and writes each under its expert's name in the unsplit model.
+
+Without a mesh a rank's optimizer slice *is* its even shard (:mod:`._staging` writes it as
+it is). On a mesh it is not: the optimizer's slices are spread
 over the data-parallel group only, and a tensor-parallel parameter (``layout_of(p).tp``) is one slice
 of the unsplit tensor. Saving then rebuilds each unsplit tensor, one at a time, with two
 all-gathers (over the data-parallel group, then the tensor-parallel one) and keeps this rank's
@@ -10,7 +14,7 @@ even shard of it; loading reads the unsplit tensor and keeps this rank's slice.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -22,7 +26,7 @@ from ._engine_state import Trainable
 from ._manifest import elementwise
 
 __all__ = ["unsplit", "local_of", "whole_local", "local_param", "state_keys", "read_local",
-           "even_shard"]
+           "even_shard", "over_experts"]
 
 
 def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -37,6 +41,18 @@ def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     flat = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather(flat, local.contiguous().view(-1), group=group)
     return spec.join(list(flat.view(group.size(), *shape).unbind(0))).reshape(-1)
+
+
+def over_experts(full: torch.Tensor, p: torch.Tensor) -> List[torch.Tensor]:
+    """``[full]``; for a split expert, its value on each rank of the expert-parallel group, in
+    rank order (an all-gather over that group: each holds other experts under one name)."""
+    groups = layout_of(p).expert_groups
+    if groups is None:
+        return [full]
+    ep: comm.Group = groups[0]
+    rows = torch.empty(ep.size() * full.numel(), dtype=full.dtype, device=full.device)
+    comm.all_gather(rows, full.contiguous().view(-1), group=ep)
+    return list(rows.view(ep.size(), -1).unbind(0))
 
 
 def local_of(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..state import TrainingParts
-from ..layout import shard_range
+from ..layout import layout_of, shard_range
 from . import _engine_state as engine_state
 from . import _mesh_values as mesh
 from ._client_state import pickle_objects, split_client_state
@@ -50,6 +50,7 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
                exclude_frozen: bool, copy: bool = False) -> Staged:
     client_json, client_tensors, client_objects = split_client_state(client_state)
     rank = comm.get_rank()
+    _refuse_frozen_experts(parts, exclude_frozen)
     trainables = engine_state.trainables(parts)
     tensors, ranges = _model_tensors(parts, trainables, exclude_frozen)
     tensors.update({f"client/{k}": v for k, v in client_tensors.items()})
@@ -63,6 +64,15 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
                             "objects": sorted(map(str, client_objects))}}
     meta = describe(parts, trainables, exclude_frozen) if rank == 0 else None
     return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects), ranges)
+
+
+def _refuse_frozen_experts(parts: TrainingParts, exclude_frozen: bool) -> None:
+    frozen = [n for n, p in engine_state.named_params(parts)
+              if not p.requires_grad and layout_of(p).expert is not None]
+    if frozen and not exclude_frozen:
+        raise NotImplementedError(
+            f"save_checkpoint with frozen experts split over ranks ({frozen[:3]}) is not "
+            "provided: pass exclude_frozen_parameters=True, or unfreeze them.")
 
 
 def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
@@ -116,17 +126,22 @@ def _trainable_shard(parts: TrainingParts, t: Trainable, world: int,
 def _trainable_shard_on_mesh(parts: TrainingParts, t: Trainable,
                              keys: Dict[str, torch.dtype]) -> Dict[str, torch.Tensor]:
     """This rank's even shard of the unsplit parameter, master and per-element states, each
-    rebuilt from the mesh's slices (collectives every rank joins, whatever its shard)."""
-    group, device, p = engine_state.zero_group(parts), parts.device, t.param
-    values = {f"param/{t.name}": mesh.local_param(p)}
+    rebuilt from the mesh's slices (collectives every rank joins, whatever its shard); a
+    split expert's, for the expert it is on each rank of its expert-parallel group."""
+    p, device = t.param, parts.device
+    group = engine_state.zero_group(parts, p)
+    values = {"param/{}": mesh.local_param(p)}
     if p.dtype != torch.float32:  # an fp32 master on every rank that holds a slice
-        values[f"master/{t.name}"] = mesh.whole_local(t.tensor, t, group, torch.float32, device)
+        values["master/{}"] = mesh.whole_local(t.tensor, t, group, torch.float32, device)
     opt = engine_state.optimizer(parts)
     state = opt.state.get(t.tensor, {}) if opt is not None and t.tensor is not None else {}
     for key, dtype in keys.items():
-        values[f"optim/{t.name}/{key}"] = mesh.whole_local(state.get(key), t, group, dtype,
-                                                           device)
-    out = {name: mesh.even_shard(mesh.unsplit(local, p)).clone() for name, local in values.items()}
+        values["optim/{}/" + key] = mesh.whole_local(state.get(key), t, group, dtype, device)
+    names = engine_state.saved_names(t.name, p)
+    out = {}
+    for pattern, local in values.items():
+        for name, full in zip(names, mesh.over_experts(mesh.unsplit(local, p), p)):
+            out[pattern.format(name)] = mesh.even_shard(full).clone()
     return {name: value for name, value in out.items() if value.numel()}
 
 

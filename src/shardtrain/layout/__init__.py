@@ -15,10 +15,10 @@ Example:
     >>> layout.full_shape, layout.shard        # at stage 3 on 2 ranks: (64, 32), (0, 1024)
 """
 from ._even import chunk_size, shard_range
-from ._record import ParamLayout, layout_of, place
+from ._record import ExpertSplit, ParamLayout, layout_of, place
 from ._split import SplitSpec
 
-__all__ = ["ParamLayout", "layout_of", "place", "SplitSpec", "chunk_size", "shard_range",
+__all__ = ["ExpertSplit", "ParamLayout", "layout_of", "place", "SplitSpec", "chunk_size", "shard_range",
            "is_tp_split"]
 
 

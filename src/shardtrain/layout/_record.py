@@ -1,7 +1,8 @@
 """The record of where one parameter lives, and the one function that changes it.
 
 A parameter's layout is set by the rooms that split it (``parallel/`` for tensor parallelism,
-``zero/`` for ZeRO-3's partitions and the parameters stage 3 keeps whole) through
+``zero/`` for ZeRO-3's partitions and the parameters stage 3 keeps whole, ``moe/`` for the
+experts split over ranks) through
 :func:`place`, and read by every other room through :func:`layout_of`. The record is kept
 on the parameter itself, so it follows the parameter wherever the parameter goes (a module
 moved, copied or pickled keeps it).
@@ -24,9 +25,41 @@ import torch
 from ._even import shard_range
 from ._split import SplitSpec
 
-__all__ = ["ParamLayout", "layout_of", "place"]
+__all__ = ["ExpertSplit", "ParamLayout", "layout_of", "place"]
 
 _ATTR = "_shardtrain_layout"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+    """Which expert of a mixture-of-experts layer a parameter belongs to, when the layer's
+    experts are split over an expert-parallel group: the ``index``-th of the ``num_local``
+    experts this rank holds; rank ``ep_rank`` of the ``ep_size`` ranks holds the experts
+    ``ep_rank * num_local`` onward. The parameter's name carries its local index after
+    ``marker`` (``...deepspeed_experts.<index>.weight``); the unsplit model's name carries
+    the global one."""
+
+    index: int
+    num_local: int
+    ep_size: int
+    ep_rank: int
+    marker: str = "deepspeed_experts"
+
+    def global_name(self, local_name: str, ep_rank: Optional[int] = None) -> str:
+        """``local_name`` with the global index of the expert it names on ``ep_rank`` (default:
+        this rank): the name a model holding every expert gives it.
+
+        Example:
+            >>> ExpertSplit(1, 2, 4, 3).global_name("moe.deepspeed_experts.1.w")
+            'moe.deepspeed_experts.7.w'
+        """
+        head, sep, tail = local_name.rpartition(f"{self.marker}.")
+        local, dot, rest = tail.partition(".")
+        if not sep or local != str(self.index):
+            raise ValueError(f"{local_name!r} is not the name of local expert {self.index} "
+                             f"(after '{self.marker}.').")
+        rank = self.ep_rank if ep_rank is None else ep_rank
+        return f"{head}{sep}{rank * self.num_local + self.index}{dot}{rest}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +81,10 @@ class ParamLayout:
         persistent: stage 3 keeps it whole on every rank of ``zero_group`` (a small
             parameter: DeepSpeed's ``ds_persist``).
         unit: the name of the stage-3 group it is gathered with (None outside stage 3).
+        expert: which expert it belongs to, when a mixture-of-experts layer's experts are
+            split over ranks (:class:`ExpertSplit`; None: every rank holds it).
+        expert_groups: then, the expert-parallel group (the ranks holding the other
+            experts) and the expert-data-parallel one (those holding the same), as a pair.
     """
 
     local_shape: Tuple[int, ...]
@@ -56,6 +93,8 @@ class ParamLayout:
     zero_group: Any = None
     persistent: bool = False
     unit: Optional[str] = None
+    expert: Optional[ExpertSplit] = None
+    expert_groups: Any = None
 
     @property
     def full_shape(self) -> Tuple[int, ...]:
@@ -103,7 +142,7 @@ def layout_of(param: torch.Tensor) -> ParamLayout:
 def place(param: torch.Tensor, **changes: Any) -> ParamLayout:
     """Changes the fields ``changes`` of ``param``'s layout and writes DeepSpeed's and the
     tensor-parallel attributes from the result. Only the rooms that split parameters call
-    it (``parallel/``, ``zero/``)."""
+    it (``parallel/``, ``zero/``, ``moe/``)."""
     record = dataclasses.replace(layout_of(param), **changes)
     if "local_shape" in changes:
         record = dataclasses.replace(record, local_shape=tuple(record.local_shape))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..layout import ExpertSplit, place
 from ..parallel import all_to_all
 from . import gating
 from ._groups import ExpertGroups, expert_groups
@@ -234,6 +235,12 @@ class MoE(torch.nn.Module):
                                       "groups are adjacent ranks here; leave it False.")
         self.groups = expert_groups(self.ep_size)
         self.deepspeed_moe._set_ep_group(self.groups.ep)
+        if self.ep_size > 1:  # each expert's parameters record which expert they are
+            for index, expert in enumerate(self.deepspeed_moe.experts.deepspeed_experts):
+                split = ExpertSplit(index, self.num_local_experts, self.ep_size,
+                                    self.groups.ep_rank)
+                for p in expert.parameters():
+                    place(p, expert=split, expert_groups=(self.groups.ep, self.groups.edp))
 
     @property
     def global_expert_ids(self) -> range:
