@@ -48,3 +48,23 @@ def llama(**overrides: Any) -> Any:
                   max_position_embeddings=8192, tie_word_embeddings=False)
     fields.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**fields))
+
+
+def moe(hidden: int = 1024, experts: int = 8, layers: int = 8, vocab: int = 32000,
+        ep_size: int = 1, k: int = 2) -> Any:
+    """A stack of mixture-of-experts layers (``shardtrain.moe.MoE``: ``experts`` MLPs of width
+    4 x ``hidden`` each, top-``k``) between a token embedding and a head; with ``ep_size`` > 1
+    each rank builds ``experts / ep_size`` of them, as training would, e.g.
+    ``shardtrain estimate --model examples/models.py:moe --model-kwargs '{"ep_size": 4}' --nproc 8``.
+    """
+    import torch
+    from shardtrain.moe import MoE
+
+    def expert():
+        return torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                   torch.nn.Linear(4 * hidden, hidden))
+    blocks = [MoE(hidden, expert(), num_experts=experts, ep_size=ep_size, k=k)
+              for _ in range(layers)]
+    return torch.nn.ModuleDict({"embed": torch.nn.Embedding(vocab, hidden),
+                                "blocks": torch.nn.ModuleList(blocks),
+                                "head": torch.nn.Linear(hidden, vocab, bias=False)})

@@ -410,6 +410,7 @@ def test_estimate_on_a_mesh_counts_one_tensor_parallel_slice(capsys, tp, sp):
     assert report["parameters"] == report["trainable_parameters"] == total
     assert report["mesh"] == {"data_parallel": 8 // (tp * sp), "tensor_parallel": tp,
                               "sequence_parallel": sp, "zero_shards": 8 // tp,
+                              "expert_parallel": 1, "expert_shards": 8 // tp,
                               "parameters_per_rank": local}
     for row in report["stages"]:
         want = zero_formula_bytes(local, 8 // tp, row["stage"], 4, 4, 8)
@@ -679,3 +680,40 @@ def test_consolidate_command_writes_loadable_weights(tmp_path, capsys):
     assert torch.equal(fresh[0].weight, model[0].weight.detach().bfloat16())
     assert main(["consolidate", str(tmp_path / "missing"), str(out)]) == 1
     assert "missing" in capsys.readouterr().err
+
+
+MOE_KW = '{"hidden": 16, "experts": 4, "layers": 2, "vocab": 32}'
+
+
+def _moe_counts():
+    """examples/models.py:moe with MOE_KW: per layer a router (16 x 4) and 4 experts of
+    16 -> 64 -> 16 (with biases); an embedding and a head of 32 x 16."""
+    expert = 16 * 64 + 64 + 64 * 16 + 16
+    dense = 2 * 16 * 4 + 2 * 32 * 16
+    return dense, 2 * 4 * expert
+
+
+@pytest.mark.parametrize("how", ["flag", "built"])
+def test_estimate_splits_the_experts_of_moe_layers(capsys, how):
+    """Each rank holds 1/E of the experts (--expert-parallel E on layers built whole, or
+    layers built with ep_size E); the experts' states shard over the N / E ranks holding the
+    same ones (stage 3 as stage 2), the rest over N."""
+    dense, experts = _moe_counts()
+    kwargs = MOE_KW if how == "flag" else MOE_KW[:-1] + ', "ep_size": 4}'
+    flag = ["--expert-parallel", "4"] if how == "flag" else []
+    report = estimate(capsys, "--model", f"{MODELS}:moe", "--model-kwargs", kwargs,
+                      "--nproc", "8", "--dtype", "fp32", "--persistence-threshold", "0", *flag)
+    assert report["parameters"] == report["trainable_parameters"] == dense + experts
+    assert report["mesh"]["expert_parallel"] == 4 and report["mesh"]["expert_shards"] == 2
+    assert report["mesh"]["parameters_per_rank"] == dense + experts // 4
+    for row in report["stages"]:
+        want = zero_formula_bytes(dense, 8, row["stage"], 4, 4, 8) + \
+            zero_formula_bytes(experts // 4, 2, min(row["stage"], 2), 4, 4, 8)
+        assert row["total"] == pytest.approx(want, abs=2)
+
+
+def test_estimate_refuses_an_expert_split_that_does_not_fit(capsys):
+    with pytest.raises(SystemExit):
+        main(["estimate", "--model", f"{MODELS}:moe", "--model-kwargs", MOE_KW, "--nproc", "8",
+              "--expert-parallel", "3"])
+    assert "--expert-parallel 3 does not divide the 4 experts" in capsys.readouterr().err

@@ -41,6 +41,11 @@ On a mesh (--tensor-parallel T, --sequence-parallel S, or a config's tensor_para
 and sequence_parallel_size) each rank holds 1/T of every weight AutoTP splits (the rules a
 run would apply: the preset of the model's model_type, or the config's layer_specs), and
 ZeRO shards over the N / T data- x sequence-parallel ranks of its tensor-parallel slice.
+
+Mixtures of experts (shardtrain.moe.MoE layers): a layer built with ep_size E holds 1/E of
+its experts, as on each rank of a run; --expert-parallel E splits the experts of layers built
+whole. ZeRO shards the experts' gradients and optimizer states over the N / E ranks that hold
+the same experts (at stage 3 as at stage 2: each rank's experts stay whole), the rest over N.
 """
 
 
@@ -78,6 +83,9 @@ def add_parser(commands) -> None:
     est.add_argument("--sequence-parallel", type=_positive_int, metavar="S",
                      help="sequence-parallel ranks (sequence_parallel_size; default: the "
                           "config's, or 1)")
+    est.add_argument("--expert-parallel", type=_positive_int, metavar="E",
+                     help="ranks the experts of MoE layers built whole are split over "
+                          "(default: the ep_size the layers were built with)")
     est.add_argument("--config", metavar="JSON_FILE",
                      help="a DeepSpeed-style config: its tensor_parallel block (rules and size) "
                           "and sequence_parallel_size describe the mesh; data_types.grad_accum_dtype "
@@ -104,19 +112,22 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     model = build_on_meta(args.model, args.model_kwargs)
     local = _local_numels(model, mesh)
     params = [p for _, p in model.named_parameters()]  # a shared (tied) parameter once
+    experts = _Experts.of(model, args.expert_parallel, mesh.zero)
+    dense = [p for p in params if id(p) not in experts.ids]
     counts = _ParamCounts(
-        total=sum(p.numel() for p in params),
-        trainable=sum(local[id(p)] for p in params if p.requires_grad),
-        persistent=sum(local[id(p)] for p in params if local[id(p)] <= args.persistence_threshold),
-        frozen=sum(local[id(p)] for p in params if not p.requires_grad))
+        total=sum(p.numel() for p in dense) + experts.total,
+        trainable=sum(local[id(p)] for p in dense if p.requires_grad),
+        persistent=sum(local[id(p)] for p in dense if local[id(p)] <= args.persistence_threshold),
+        frozen=sum(local[id(p)] for p in dense if not p.requires_grad))
     accum = args.grad_accum_dtype or _grad_accum_of(config, args.config)
     masters = args.dtype == "bf16" and _bf16_masters_of(config)
     report = _estimate(counts, nproc, args.nnodes,
-                       bytes_per_param(args.dtype, args.optimizer, accum, masters), mesh)
+                       bytes_per_param(args.dtype, args.optimizer, accum, masters), mesh, experts)
     report.update(model=args.model, model_class=type(model).__name__, dtype=args.dtype, optimizer=args.optimizer,
                   grad_accum_dtype=accum or args.dtype,
                   persistence_threshold=args.persistence_threshold,
-                  trainable_parameters=sum(p.numel() for p in params if p.requires_grad))
+                  trainable_parameters=sum(p.numel() for p in dense if p.requires_grad)
+                  + experts.total_trainable)
     print(json.dumps(report, indent=2) if args.json else _estimate_table(report))
     return 0
 
@@ -131,6 +142,52 @@ class _ParamCounts:
     trainable: int
     persistent: int
     frozen: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Experts:
+    """The experts of the model's MoE layers: their elements in the unsplit model (all, and
+    trainable), one rank's share (trainable, frozen), the expert-parallel size and the ranks
+    ZeRO shards one expert's states over."""
+
+    ids: frozenset
+    total: int = 0
+    total_trainable: int = 0
+    local_trainable: int = 0
+    local_frozen: int = 0
+    ep: int = 1
+    shards: int = 1
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, split: Optional[int], zero: int) -> "_Experts":
+        from ..moe import MoE
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        built = sorted({m.ep_size for m in layers})
+        if not layers:
+            if split and split > 1:
+                raise _UsageError(f"--expert-parallel {split}: the model has no MoE layer "
+                                  "(shardtrain.moe.MoE) whose experts it could split.")
+            return cls(frozenset(), shards=zero)
+        if len(built) > 1 or (split and built[0] > 1 and split != built[0]):
+            raise _UsageError(f"the model's MoE layers are built with ep_size {built}; "
+                              f"--expert-parallel {split} must agree (or be left out).")
+        ep = built[0] if built[0] > 1 else (split or 1)
+        whole = built[0] == 1  # the meta model holds every expert: this rank's is 1/ep
+        for m in layers:
+            if m.num_experts % ep:
+                raise _UsageError(f"--expert-parallel {ep} does not divide the {m.num_experts} "
+                                  "experts of a layer.")
+        if zero % ep:
+            raise _UsageError(f"--expert-parallel {ep} does not divide the {zero} ranks ZeRO "
+                              "shards over.")
+        params = {id(p): p for m in layers for p in m.deepspeed_moe.experts.parameters()}
+        per_rank = (lambda p: p.numel() // ep) if whole else (lambda p: p.numel())
+        unsplit = (lambda p: p.numel()) if whole else (lambda p: p.numel() * ep)
+        return cls(frozenset(params), total=sum(unsplit(p) for p in params.values()),
+                   total_trainable=sum(unsplit(p) for p in params.values() if p.requires_grad),
+                   local_trainable=sum(per_rank(p) for p in params.values() if p.requires_grad),
+                   local_frozen=sum(per_rank(p) for p in params.values() if not p.requires_grad),
+                   ep=ep, shards=zero // ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,14 +261,19 @@ def _local_numels(model: torch.nn.Module, mesh: _Mesh) -> Dict[int, int]:
 
 
 def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: BytesPerParam,
-              mesh: _Mesh) -> Dict[str, Any]:
+              mesh: _Mesh, experts: "_Experts") -> Dict[str, Any]:
     """Per-rank model-state bytes of every stage (:func:`estimate_model_states`); on a mesh
-    the counts are one tensor-parallel slice's and N is the ranks ZeRO shards over."""
+    the counts are one tensor-parallel slice's and N is the ranks ZeRO shards over; a split
+    expert's share is over the N / E ranks holding the same experts, at stage 3 as at 2."""
     stages = []
     for stage in range(4):
         row = {"stage": stage, "implemented": stage in IMPLEMENTED_ZERO_STAGES,
                **estimate_model_states(n.trainable, n.frozen, n.persistent, mesh.zero, stage, b),
                "offload": None}
+        if experts.local_trainable or experts.local_frozen:
+            part = estimate_model_states(experts.local_trainable, experts.local_frozen, 0,
+                                         experts.shards, min(stage, 2), b)
+            row.update({k: row[k] + part[k] for k in ("params", "grads", "optimizer", "total")})
         if stage > 0:  # DeepSpeed offloads optimizer states at stages 1-3 only
             row["offload"] = {"device": row["params"] + row["grads"], "host": row["optimizer"],
                               "host_per_node": row["optimizer"] * nproc,
@@ -222,7 +284,9 @@ def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: BytesPerParam,
             "world_size": nproc * nnodes,
             "mesh": {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp,
                      "sequence_parallel": mesh.sp, "zero_shards": mesh.zero,
-                     "parameters_per_rank": n.trainable + n.frozen},
+                     "expert_parallel": experts.ep, "expert_shards": experts.shards,
+                     "parameters_per_rank": n.trainable + n.frozen + experts.local_trainable
+                     + experts.local_frozen},
             "bytes_per_parameter": {"params": b.p, "grads": b.g, "optimizer": b.k,
                                     "optimizer_parts": b.k_parts},
             "stages": stages, "formula": _FORMULA}
@@ -276,11 +340,18 @@ def _estimate_table(r: Dict[str, Any]) -> str:
 
 def _mesh_lines(r: Dict[str, Any]) -> list:
     m = r["mesh"]
-    if m["tensor_parallel"] == 1 and m["sequence_parallel"] == 1:
-        return []
-    return [f"  mesh: {m['data_parallel']} data- x {m['tensor_parallel']} tensor- x "
+    lines = []
+    if m["tensor_parallel"] > 1 or m["sequence_parallel"] > 1:
+        lines.append(
+            f"  mesh: {m['data_parallel']} data- x {m['tensor_parallel']} tensor- x "
             f"{m['sequence_parallel']} sequence-parallel ranks; P = {m['parameters_per_rank']:,} "
-            f"parameters per tensor-parallel slice, ZeRO over N = {m['zero_shards']} ranks"]
+            f"parameters per tensor-parallel slice, ZeRO over N = {m['zero_shards']} ranks")
+    if m["expert_parallel"] > 1:
+        lines.append(f"  experts: split over {m['expert_parallel']} ranks; their states sharded "
+                     f"over the {m['expert_shards']} holding the same ones (at stage 3 as at 2), "
+                     f"the rest over N = {m['zero_shards']}; {m['parameters_per_rank']:,} "
+                     "parameters per rank")
+    return lines
 
 
 def _formula_heading(r: Dict[str, Any]) -> str:
