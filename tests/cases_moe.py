@@ -104,7 +104,7 @@ def _loss(net, x, y):
     return torch.nn.functional.mse_loss(net(x), y)
 
 
-def case_engine(stage: int, ep: int) -> Callable[[int, int], Dict[str, Any]]:
+def case_engine(stage: int, ep: int, bf16: bool = False) -> Callable[[int, int], Dict[str, Any]]:
     """The engine at ``stage`` with a layer of ``ep_size`` ``ep``, against one process on the
     global batch with every expert (the task loss alone: the load-balancing loss is a
     statistic of each rank's tokens), both clipped at the global norm 1.0: losses, and each
@@ -114,7 +114,8 @@ def case_engine(stage: int, ep: int) -> Callable[[int, int], Dict[str, Any]]:
         y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
         config = {"train_micro_batch_size_per_gpu": B,
                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+                  "bf16": {"enabled": bf16}}
         engine, *_ = shardtrain.initialize(model=_model(ep), config=config)
         mine = slice(rank * B, (rank + 1) * B)
         losses, norms = [], []
@@ -125,7 +126,7 @@ def case_engine(stage: int, ep: int) -> Callable[[int, int], Dict[str, Any]]:
             losses.append(_mean(loss.detach(), world))
             norms.append(float(engine.get_global_grad_norm()))
         moe = engine.module.moe
-        got = {_global_name(n, moe): v.detach().clone()  # stage 3: gathered
+        got = {_global_name(n, moe): v.detach().float().clone()  # stage 3: gathered
                for n, v in engine.module.state_dict().items()}
         engine.destroy()
         ref = _model(1)
@@ -281,4 +282,6 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
         "refusals": case_refusals, "checkpoint": case_checkpoint()}
     cases.update({f"engine_s{stage}_ep{ep}": case_engine(stage, ep)
                   for stage, ep in ((2, 1), (0, 2), (1, 2), (2, 2), (3, 2))})
+    cases.update(engine_s2_ep2_bf16=case_engine(2, 2, bf16=True),
+                 engine_s2_ep1_bf16=case_engine(2, 1, bf16=True))
     return run_cases(cases, rank, world_size)

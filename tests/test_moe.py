@@ -53,6 +53,17 @@ def test_the_engine_trains_moe_as_one_process_does(run, stage, ep):
         assert got["weights"] < ATOL
 
 
+def test_bf16_with_split_experts_trains_as_with_whole_ones(run):
+    """bf16 (fp32 masters) at ZeRO-2: experts split over 2 ranks give the losses of every
+    expert on every rank in bf16 (the same bf16 arithmetic per token), and both follow the
+    fp32 one-process run within bf16's precision."""
+    for rank in range(WORLD):
+        split = result(run, "engine_s2_ep2_bf16", rank)
+        whole = result(run, "engine_s2_ep1_bf16", rank)
+        assert split["losses"] == pytest.approx(whole["losses"], abs=1e-2)
+        assert split["losses"] == pytest.approx(split["ref_losses"], abs=0.15)
+
+
 def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
     got = result(run, "refusals", 0)
     assert "engine.save_16bit_model() with expert-parallel MoE layers (ep_size 2)" in \
