@@ -35,6 +35,7 @@ from typing import Any, Dict, List
 import torch
 
 from _ranks import run_ranks  # noqa: E402  (next to this file)
+from bench_parallel import Counter as _GroupCounter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,19 +67,15 @@ def setups(world: int) -> Dict[str, Dict[str, int]]:
     return out
 
 
-class Counter:
-    """Bytes handed to collectives, by the group they go over (only groups of 2 or more); the
-    all-to-alls apart."""
-
-    def __init__(self):
-        self.bytes: Dict[str, int] = {}
-        self.on = False
+class Counter(_GroupCounter):
+    """Bytes handed to collectives, by group (bench_parallel's count), the all-to-alls apart."""
 
     def __call__(self, op: str, tensor: torch.Tensor, group) -> None:
-        if not self.on or (group is not None and group.size() == 1):
+        if op == "all_to_all" and self.on and group is not None and group.size() > 1:
+            self.bytes["all_to_all"] = self.bytes.get("all_to_all", 0) + \
+                tensor.numel() * tensor.element_size()
             return
-        name = "all_to_all" if op == "all_to_all" else "world" if group is None else group.name
-        self.bytes[name] = self.bytes.get(name, 0) + tensor.numel() * tensor.element_size()
+        super().__call__(op, tensor, group)
 
 
 def build(fields: Dict[str, int], ep: int) -> torch.nn.Module:
