@@ -13,6 +13,7 @@ import torch
 
 import shardtrain
 from shardtrain import comm
+from shardtrain.layout import layout_of
 from shardtrain.moe import MoE, find_expert_groups
 
 M, E, B, T = 8, 4, 2, 5
@@ -119,13 +120,19 @@ def case_engine(stage: int, ep: int, bf16: bool = False) -> Callable[[int, int],
         engine, *_ = shardtrain.initialize(model=_model(ep), config=config)
         mine = slice(rank * B, (rank + 1) * B)
         losses, norms = [], []
-        for _ in range(3):
+        for step in range(3):
             loss = _loss(engine, x[mine], y[mine])
             engine.backward(loss)
+            if step == 2:  # every model state exists: the gradients and the optimizer's
+                held = engine.model_state_bytes()["total"]
             engine.step()
             losses.append(_mean(loss.detach(), world))
             norms.append(float(engine.get_global_grad_norm()))
         moe = engine.module.moe
+        split = [p for p in engine.module.parameters() if layout_of(p).expert is not None]
+        numel = {"dense": sum(layout_of(p).numel for p in engine.module.parameters()
+                              if layout_of(p).expert is None),
+                 "experts": sum(layout_of(p).numel for p in split), "bytes": held}
         got = {_global_name(n, moe): v.detach().float().clone()  # stage 3: gathered
                for n, v in engine.module.state_dict().items()}
         engine.destroy()
@@ -142,7 +149,7 @@ def case_engine(stage: int, ep: int, bf16: bool = False) -> Callable[[int, int],
         want = dict(ref.named_parameters())
         diff = max((p - want[n].detach()).abs().max().item() for n, p in got.items())
         return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
-                "ref_norms": ref_norms, "weights": diff, "checked": len(got)}
+                "ref_norms": ref_norms, "weights": diff, "checked": len(got), "memory": numel}
     return case
 
 

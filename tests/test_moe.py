@@ -53,6 +53,21 @@ def test_the_engine_trains_moe_as_one_process_does(run, stage, ep):
         assert got["weights"] < ATOL
 
 
+@pytest.mark.parametrize("stage,ep", [(0, 2), (1, 2), (2, 2), (3, 2), (2, 1)])
+def test_model_state_bytes_per_rank_follow_the_formula(run, stage, ep):
+    """fp32 AdamW (4 + 4 + 8 bytes a parameter): the dense parameters' share by the ZeRO
+    formula over the 2 data-parallel ranks, plus this rank's experts' over the ranks holding
+    the same ones (one here; at stage 3 as at stage 2), within 10% (shards are padded)."""
+    from shardtrain.memory import zero_formula_bytes
+    for rank in range(WORLD):
+        got = result(run, f"engine_s{stage}_ep{ep}", rank)["memory"]
+        want = zero_formula_bytes(got["dense"], WORLD, stage, 4, 4, 8) + \
+            zero_formula_bytes(got["experts"], WORLD // ep, min(stage, 2), 4, 4, 8)
+        assert got["bytes"] == pytest.approx(want, rel=0.1), (got, want)
+        if ep > 1:
+            assert got["experts"] > got["dense"]  # the experts are most of what a rank holds
+
+
 def test_bf16_with_split_experts_trains_as_with_whole_ones(run):
     """bf16 (fp32 masters) at ZeRO-2: experts split over 2 ranks give the losses of every
     expert on every rank in bf16 (the same bf16 arithmetic per token), and both follow the
