@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
-__all__ = ["Placing", "place_gathers"]
+__all__ = ["Placing", "place_gathers", "split_options"]
 
 #: The in-graph all-gather, as dynamo records torch's functional collective.
 _GATHER_OP = "_c10d_functional.all_gather_into_tensor"
@@ -134,10 +134,9 @@ class Placing:
     def __init__(self, backend: Any, options: Dict[str, Any], ahead: int = 0):
         self.ahead = ahead
         self.inner = _backend(backend, options.get("mode"), options.get("options"))
-        self.placed: List[int] = []  # how many gathers each graph's placement moved
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
-        self.placed.append(place_gathers(gm, self.ahead))
+        place_gathers(gm, self.ahead)
         return self.inner(gm, example_inputs)
 
 
