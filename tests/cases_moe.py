@@ -231,6 +231,70 @@ def _mean(loss: torch.Tensor, world: int) -> float:
     return t.item() / world
 
 
+def case_deepspeed_script(rank: int, world: int) -> Dict[str, Any]:
+    """DeepSpeed's MoE pattern (DeepSpeedExamples' CIFAR-10 script with --moe
+    --moe-param-group): deepspeed.moe.layer.MoE with ep_size 2, the parameters split into
+    expert groups by deepspeed.moe.utils, deepspeed.initialize at ZeRO-2; against one process
+    with every expert and torch's AdamW on one group."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE as DSMoE
+    from deepspeed.moe.utils import (is_moe_param,
+                                     split_params_into_different_moe_groups_for_optimizer)
+
+    class Net(torch.nn.Module):
+        def __init__(self, ep: int):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc1 = torch.nn.Linear(M, M)
+            self.moe = DSMoE(hidden_size=M, expert=torch.nn.Linear(M, M), num_experts=E,
+                             ep_size=ep, k=1, drop_tokens=False, use_rts=False)
+            self.fc3 = torch.nn.Linear(M, 1)
+            local = self.moe.deepspeed_moe.experts.deepspeed_experts
+            first = rank % ep * len(local)  # this rank's experts, distinct ones
+            for e, expert in enumerate(local, start=first):
+                torch.manual_seed(1000 + e)
+                for p in expert.parameters():
+                    p.data.normal_(0, 0.5)
+
+        def forward(self, x):
+            out, _, _ = self.moe(torch.relu(self.fc1(x)))
+            return self.fc3(out).squeeze(-1)
+
+    x = tokens(world)
+    y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
+    net = Net(2)
+    parameters = {"params": [p for p in net.parameters() if p.requires_grad],
+                  "name": "parameters"}
+    groups = split_params_into_different_moe_groups_for_optimizer(parameters)
+    config = {"train_batch_size": B * world, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+              "gradient_clipping": 0.0}
+    engine, optimizer, _, _ = deepspeed.initialize(model=net, model_parameters=groups,
+                                                   config=config)
+    mine = slice(rank * B, (rank + 1) * B)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(_mean(loss.detach(), world))
+    names = [g.get("name") for g in optimizer.param_groups]
+    moe_groups = [bool(g.get("moe")) for g in optimizer.param_groups]
+    expert_params = sum(is_moe_param(p) for p in net.parameters())
+    engine.destroy()
+    ref = Net(1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "names": names, "moe": moe_groups,
+            "expert_params": expert_params}
+
+
 def case_refusals(rank: int, world: int) -> Dict[str, str]:
     out = {}
     for name, stage, action in (("save_16bit_model", 2, "save"), ("deepcompile", 1, "compile")):
@@ -286,7 +350,8 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                            top2_2nd_expert_sampling=False),
         "top2_sampled_residual": case_layer(k=2, drop_tokens=False, use_residual=True,
                                             noisy_gate_policy="Jitter"),
-        "refusals": case_refusals, "checkpoint": case_checkpoint()}
+        "refusals": case_refusals, "checkpoint": case_checkpoint(),
+        "deepspeed_script": case_deepspeed_script}
     cases.update({f"engine_s{stage}_ep{ep}": case_engine(stage, ep)
                   for stage, ep in ((2, 1), (0, 2), (1, 2), (2, 2), (3, 2))})
     cases.update(engine_s2_ep2_bf16=case_engine(2, 2, bf16=True),

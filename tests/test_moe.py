@@ -79,6 +79,17 @@ def test_bf16_with_split_experts_trains_as_with_whole_ones(run):
         assert split["losses"] == pytest.approx(split["ref_losses"], abs=0.15)
 
 
+def test_deepspeeds_moe_script_pattern_trains_through_the_alias(run):
+    """deepspeed.moe.layer.MoE (ep_size 2), deepspeed.moe.utils' expert groups and
+    deepspeed.initialize at ZeRO-2: the optimizer's groups are DeepSpeed's (the dense one,
+    then the experts' named ep_size_2 with moe set), and training equals one process's."""
+    for rank in range(WORLD):
+        got = result(run, "deepspeed_script", rank)
+        assert got["names"] == ["parameters", "ep_size_2"] and got["moe"] == [False, True]
+        assert got["expert_params"] == 4  # two local experts' weight and bias
+        assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+
+
 def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
     got = result(run, "refusals", 0)
     assert "engine.save_16bit_model() with expert-parallel MoE layers (ep_size 2)" in \
