@@ -329,13 +329,80 @@ def case_lookups(rank: int, world: int) -> Dict[str, Any]:
             "ranks": (find_expert_groups(name).ep.ranks(), find_expert_groups(name).edp.ranks())}
 
 
+class NetTP(torch.nn.Module):
+    """A dense MLP that AutoTP splits (column, then row), a MoE layer and a head."""
+
+    def __init__(self, ep: int, ep_rank: int = 0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc_in, self.fc_out = torch.nn.Linear(M, 2 * M), torch.nn.Linear(2 * M, M)
+        self.moe = MoE(M, torch.nn.Linear(M, M), num_experts=E, ep_size=ep, k=2,
+                       drop_tokens=False, top2_2nd_expert_sampling=False)
+        local = self.moe.deepspeed_moe.experts.deepspeed_experts
+        for e, expert in enumerate(local, start=ep_rank * len(local)):
+            torch.manual_seed(1000 + e)
+            for p in expert.parameters():
+                p.data.normal_(0, 0.5)
+        torch.manual_seed(1)
+        self.head = torch.nn.Linear(M, 1)
+
+    def forward(self, x):
+        h = x + self.fc_out(torch.relu(self.fc_in(x)))
+        out, _, _ = self.moe(h)
+        return self.head(out).squeeze(-1)
+
+
+def case_tp2_ep2(rank: int, world: int) -> Dict[str, Any]:
+    """tensor parallel 2 x data parallel 2, the experts split over the 2 data-parallel ranks of
+    each tensor-parallel coordinate (ep 2), ZeRO-2: against one process on the global batch;
+    then a checkpoint of it loaded with every expert on every rank and no tensor parallelism."""
+    specs = [{"patterns": [r".*fc_in\.weight$"], "partition_type": "column"},
+             {"patterns": [r".*fc_out\.weight$"], "partition_type": "row"}]
+    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+              "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": specs}}}
+    dp, tp = rank // 2, rank % 2
+    engine, *_ = shardtrain.initialize(model=NetTP(2, ep_rank=dp), config=config)
+    x, y = tokens(2), torch.randn(2 * B, T, generator=torch.Generator().manual_seed(9))
+    mine = slice(dp * B, (dp + 1) * B)  # the two ranks of a tensor-parallel group: one batch
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(_mean(loss.detach(), world))
+    groups = engine.module.moe.groups
+    out = {"losses": losses, "ep": groups.ep.ranks(), "replicas": groups.replicas.ranks(),
+           "tp": tp, "fc_in": list(engine.module.fc_in.weight.shape)}
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="moe-tp-") if rank == 0 else "")
+    engine.save_checkpoint(root, tag="t")
+    engine.destroy()
+    from shardtrain.checkpoint import full_weights
+    ref = NetTP(1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(ref(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        ref_losses.append(loss.item())
+    weights = full_weights(root, tag="t")
+    out["ref_losses"] = ref_losses
+    out["weights"] = max((weights[n].float() - p.detach()).abs().max().item()
+                         for n, p in ref.named_parameters())
+    return out
+
+
 def four_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     """ep 2 x expert-data-parallel 2: experts summed over their replicas as well."""
     from _dist import run_cases
     cases = {"top2": case_layer(k=2, min_capacity=0, capacity_factor=0.5,
                                 top2_2nd_expert_sampling=False), "lookups": case_lookups,
              # saved with 2 replicas of each expert; loaded with each expert on one rank
-             "checkpoint": case_checkpoint((2, 2), (("ep4_s1", 4, 1), ("dense_s0", 1, 0)))}
+             "checkpoint": case_checkpoint((2, 2), (("ep4_s1", 4, 1), ("dense_s0", 1, 0))),
+             "tp2_ep2": case_tp2_ep2}
     cases.update({f"engine_s{stage}_ep2": case_engine(stage, 2) for stage in (0, 2, 3)})
     return run_cases(cases, rank, world_size)
 

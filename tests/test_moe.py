@@ -140,3 +140,16 @@ def test_checkpoints_move_between_expert_parallel_sizes_on_four_ranks(run4):
         for name in ("ep4_s1", "dense_s0"):
             assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
         assert got["names"] and got["weights"] < ATOL
+
+
+def test_tensor_parallel_dense_layers_with_split_experts(run4):
+    """tp 2 x dp 2 with AutoTP on the dense MLP and the experts split over the data-parallel
+    ranks of each tensor-parallel coordinate: the groups, one process's losses, and a
+    checkpoint that consolidates into the one-process model's weights."""
+    for rank in range(4):
+        got = result(run4, "tp2_ep2", rank)
+        assert got["ep"] == [rank % 2, rank % 2 + 2]  # the ranks that see other tokens
+        assert got["replicas"] == [rank - rank % 2, rank - rank % 2 + 1]  # the same tokens
+        assert got["fc_in"] == [8, 8]  # AutoTP's column split: half of 16 rows
+        assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+        assert got["weights"] < ATOL

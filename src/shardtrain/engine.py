@@ -96,7 +96,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # mixture-of-experts layers: their expert-parallel groups (None: no layer split)
         self._experts: Optional[ExpertGroups] = wire_experts(self.module, self.mesh)
         if self._experts is not None:
-            comm.broadcast_coalesced(split_experts(self.module), group=self._experts.edp)
+            comm.broadcast_coalesced(split_experts(self.module), group=self._experts.replicas)
         if self._parallel.mpu is not None:  # partition_activations and the RNG streams read it
             checkpointing.configure(mpu_=self._parallel.mpu)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])
@@ -209,7 +209,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             return build_with_experts(
                 self.module, [p for p in trainable if not is_moe_param(p)],
                 [p for p in trainable if is_moe_param(p)], cfg.zero_optimization, averaging,
-                self.mesh.zero, self._experts.edp, self._experts.ep, masters)
+                self.mesh.zero, self._experts.edp, self._experts.ep, masters,
+                self.mesh.tp if self.mesh.tp.size() > 1 else None)
         return build_strategy(self.module, trainable, cfg.zero_optimization, averaging,
                               self.mesh.zero, self.mesh.tp if self.mesh.tp.size() > 1 else None,
                               masters)

@@ -227,13 +227,15 @@ class MoE(torch.nn.Module):
             self.mlp = expert
             self.coefficient = torch.nn.Linear(hidden_size, 2)
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Creates (or finds) the expert-parallel groups of ``ep_size`` and gives the layer
-        its group: a collective, every rank at the same point (the engine calls it)."""
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  mesh: Optional[comm.Mesh] = None) -> None:
+        """Creates (or finds) the expert-parallel groups of ``ep_size`` (on ``mesh``: over
+        the ranks of each tensor-parallel coordinate) and gives the layer its group: a
+        collective, every rank at the same point (the engine calls it)."""
         if use_data_before_expert_parallel_:
             raise NotImplementedError("use_data_before_expert_parallel_: the expert-parallel "
                                       "groups are adjacent ranks here; leave it False.")
-        self.groups = expert_groups(self.ep_size)
+        self.groups = expert_groups(self.ep_size, mesh)
         self.deepspeed_moe._set_ep_group(self.groups.ep)
         if self.ep_size > 1:  # each expert's parameters record which expert they are
             for index, expert in enumerate(self.deepspeed_moe.experts.deepspeed_experts):
@@ -274,19 +276,19 @@ def wire_experts(module: torch.nn.Module, mesh: Optional[comm.Mesh] = None
                  ) -> Optional[ExpertGroups]:
     """Gives each :class:`MoE` layer of ``module`` its expert-parallel group (a collective:
     every rank, at the same point); returns the groups of the layers split over ranks
-    (``ep_size`` > 1), or None when none is. Refused by name: layers of different
-    ``ep_size`` in one model, and a split layer on a mesh with tensor or sequence
-    parallelism."""
+    (``ep_size`` > 1), or None when none is. On a mesh with tensor parallelism the experts
+    are split over the ranks of each tensor-parallel coordinate. Refused by name: layers of
+    different ``ep_size`` in one model, and a split layer with sequence parallelism."""
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
     sizes = sorted({m.ep_size for _, m in layers if m.ep_size > 1})
     if len(sizes) > 1:
         raise NotImplementedError(f"MoE layers with different ep_size {sizes} in one model: "
                                   "build them with one ep_size.")
-    if sizes and mesh is not None and (mesh.size("tp") > 1 or mesh.size("sp") > 1):
+    if sizes and mesh is not None and mesh.size("sp") > 1:
         raise NotImplementedError(
-            f"expert-parallel MoE layers (ep_size {sizes[0]}) with tensor or sequence "
-            "parallelism are not provided: set tensor_parallel.autotp_size and "
-            "sequence_parallel_size to 1, or build the layers with ep_size=1.")
+            f"expert-parallel MoE layers (ep_size {sizes[0]}) with sequence parallelism are "
+            "not provided: set sequence_parallel_size to 1, or build the layers with "
+            "ep_size=1.")
     for _, m in layers:
-        m.set_deepspeed_parallelism()
-    return expert_groups(sizes[0]) if sizes else None
+        m.set_deepspeed_parallelism(mesh=mesh)
+    return expert_groups(sizes[0], mesh) if sizes else None

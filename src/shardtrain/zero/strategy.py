@@ -388,13 +388,16 @@ def build_strategy(module: torch.nn.Module, params: List[torch.nn.Parameter], ze
 def build_with_experts(module: torch.nn.Module, params: List[torch.nn.Parameter],
                        experts: List[torch.nn.Parameter], zero: Any, settings: ReduceSettings,
                        group: Group, edp: Group, ep: Group,
-                       master_dtype: torch.dtype = torch.float32) -> WithExperts:
+                       master_dtype: torch.dtype = torch.float32,
+                       tp: Optional[Group] = None) -> WithExperts:
     """The strategy of a model with expert-parallel MoE layers: the dense ``params`` over the
     data-parallel ``group`` at the config's stage, the ``experts`` over their
     expert-data-parallel group ``edp`` (averaged by the same ``settings``: the data-parallel
     size). At stage 3 the experts are not partitioned (each rank holds its own whole, already
-    a share of the layer) and their gradients and optimizer states are sharded as at stage 2."""
-    dense = build_strategy(module, params, zero, settings, group, None, master_dtype,
+    a share of the layer) and their gradients and optimizer states are sharded as at stage 2.
+    With tensor parallelism (``tp``) the dense parameters' slices are as without experts; the
+    experts are whole on each rank of a tensor-parallel group (which sees the same tokens)."""
+    dense = build_strategy(module, params, zero, settings, group, tp, master_dtype,
                            keep_whole=experts)
     expert_zero = zero.model_copy(update={"stage": 2}) if zero.stage == 3 else zero
     return WithExperts(dense, build_strategy(module, experts, expert_zero, settings, edp, None,
