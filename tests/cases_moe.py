@@ -111,64 +111,70 @@ def case_engine(stage: int, ep: int, bf16: bool = False) -> Callable[[int, int],
     statistic of each rank's tokens), both clipped at the global norm 1.0: losses, and each
     weight against the one-process weight of the same global expert."""
     def case(rank: int, world: int) -> Dict[str, Any]:
-        x = tokens(world)
-        y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
+        x, y = _batches(world)
         config = {"train_micro_batch_size_per_gpu": B,
                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
                   "bf16": {"enabled": bf16}}
         engine, *_ = shardtrain.initialize(model=_model(ep), config=config)
-        mine = slice(rank * B, (rank + 1) * B)
-        losses, norms = [], []
-        for step in range(3):
-            loss = _loss(engine, x[mine], y[mine])
-            engine.backward(loss)
-            if step == 2:  # every model state exists: the gradients and the optimizer's
-                held = engine.model_state_bytes()["total"]
-            engine.step()
-            losses.append(_mean(loss.detach(), world))
-            norms.append(float(engine.get_global_grad_norm()))
+        held = []  # after the last backward: every model state exists
+
+        def probe(step: int) -> None:
+            if step == 2:
+                held.append(engine.model_state_bytes()["total"])
+        losses, norms = _train(engine, x, y, rank * B, world, 3, probe)
         moe = engine.module.moe
         split = [p for p in engine.module.parameters() if layout_of(p).expert is not None]
         numel = {"dense": sum(layout_of(p).numel for p in engine.module.parameters()
                               if layout_of(p).expert is None),
-                 "experts": sum(layout_of(p).numel for p in split), "bytes": held}
+                 "experts": sum(layout_of(p).numel for p in split), "bytes": held[0]}
         got = {_global_name(n, moe): v.detach().float().clone()  # stage 3: gathered
                for n, v in engine.module.state_dict().items()}
         engine.destroy()
-        ref = _model(1)
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-        ref_losses, ref_norms = [], []
-        for _ in range(3):
-            loss = _loss(ref, x, y)
-            opt.zero_grad()
-            loss.backward()
-            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
-            opt.step()
-            ref_losses.append(loss.item())
-        want = dict(ref.named_parameters())
-        diff = max((p - want[n].detach()).abs().max().item() for n, p in got.items())
+        ref_losses, ref_norms, ref_weights = _one_process(_model(1), x, y, 3)
+        diff = max((p - ref_weights[-1][n]).abs().max().item() for n, p in got.items())
         return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
                 "ref_norms": ref_norms, "weights": diff, "checked": len(got), "memory": numel}
     return case
 
 
-def _reference(world: int, steps: int):
-    """One process on the global batches: per-step losses, and the weights after each step."""
-    x = tokens(world)
-    y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
-    ref = _model(1)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    losses, weights = [], []
+def _batches(world: int):
+    """The global batch: inputs and targets of every rank's micro-batch."""
+    return tokens(world), torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
+
+
+def _train(engine, x, y, first: int, world: int, steps: int, probe=None):
+    """``steps`` steps of the engine on this rank's ``B`` rows from ``first``: the global
+    batch's losses (the mean over ranks) and the clipped global norms."""
+    losses, norms = [], []
+    for step in range(steps):
+        loss = _loss(engine, x[first:first + B], y[first:first + B])
+        engine.backward(loss)
+        if probe is not None:
+            probe(step)
+        engine.step()
+        losses.append(_mean(loss.detach(), world))
+        norm = engine.get_global_grad_norm()  # None when nothing clips
+        norms.append(None if norm is None else float(norm))
+    return losses, norms
+
+
+def _one_process(net, x, y, steps: int, clip: float = 1.0):
+    """The reference: ``net`` trained on the global batch in this process with the configs'
+    AdamW (lr 1e-2, no weight decay), clipped at ``clip`` (0: not clipped); the losses, the
+    norms and the weights after each step."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.0)
+    losses, norms, weights = [], [], []
     for _ in range(steps):
-        loss = _loss(ref, x, y)
+        loss = _loss(net, x, y)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(),
+                                                          clip or float("inf"))))
         opt.step()
         losses.append(loss.item())
-        weights.append({n: p.detach().clone() for n, p in ref.named_parameters()})
-    return x, y, losses, weights
+        weights.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return losses, norms, weights
 
 
 def case_checkpoint(saved_with=(2, 2), loads=(("split_s1", 2, 1), ("dense_s3", 1, 3))):
@@ -182,8 +188,8 @@ def case_checkpoint(saved_with=(2, 2), loads=(("split_s1", 2, 1), ("dense_s3", 1
 
 def _checkpoint(rank: int, world: int, saved_with, loads) -> Dict[str, Any]:
     from shardtrain.checkpoint import full_weights
-    x, y, ref_losses, ref_weights = _reference(world, 3)
-    mine = slice(rank * B, (rank + 1) * B)
+    x, y = _batches(world)
+    ref_losses, _, ref_weights = _one_process(_model(1), x, y, 3)
     root = comm.broadcast_object(tempfile.mkdtemp(prefix="moe-ckpt-") if rank == 0 else "")
 
     def engine_for(ep: int, stage: int):
@@ -192,21 +198,15 @@ def _checkpoint(rank: int, world: int, saved_with, loads) -> Dict[str, Any]:
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
         return shardtrain.initialize(model=_model(ep), config=config)[0]
 
-    def step(engine) -> float:
-        loss = _loss(engine, x[mine], y[mine])
-        engine.backward(loss)
-        engine.step()
-        return _mean(loss.detach(), world)
-
     engine = engine_for(*saved_with)
-    first = [step(engine) for _ in range(2)]
+    first, _ = _train(engine, x, y, rank * B, world, 2)
     engine.save_checkpoint(root, tag="two")
     engine.destroy()
     out: Dict[str, Any] = {"first": first, "ref_losses": ref_losses}
     for name, ep, stage in loads:
         resumed = engine_for(ep, stage)
         resumed.load_checkpoint(root, tag="two")
-        out[name] = step(resumed)
+        out[name] = _train(resumed, x, y, rank * B, world, 1)[0][0]
         resumed.destroy()
     weights = full_weights(root, tag="two")
     out["names"] = sorted(weights) == sorted(ref_weights[1])
@@ -260,8 +260,7 @@ def case_deepspeed_script(rank: int, world: int) -> Dict[str, Any]:
             out, _, _ = self.moe(torch.relu(self.fc1(x)))
             return self.fc3(out).squeeze(-1)
 
-    x = tokens(world)
-    y = torch.randn(world * B, T, generator=torch.Generator().manual_seed(9))
+    x, y = _batches(world)
     net = Net(2)
     parameters = {"params": [p for p in net.parameters() if p.requires_grad],
                   "name": "parameters"}
@@ -271,26 +270,12 @@ def case_deepspeed_script(rank: int, world: int) -> Dict[str, Any]:
               "gradient_clipping": 0.0}
     engine, optimizer, _, _ = deepspeed.initialize(model=net, model_parameters=groups,
                                                    config=config)
-    mine = slice(rank * B, (rank + 1) * B)
-    losses = []
-    for _ in range(3):
-        loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean(loss.detach(), world))
+    losses, _ = _train(engine, x, y, rank * B, world, 3)
     names = [g.get("name") for g in optimizer.param_groups]
     moe_groups = [bool(g.get("moe")) for g in optimizer.param_groups]
     expert_params = sum(is_moe_param(p) for p in net.parameters())
     engine.destroy()
-    ref = Net(1)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    ref_losses = []
-    for _ in range(3):
-        loss = torch.nn.functional.mse_loss(ref(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref_losses, _, _ = _one_process(Net(1), x, y, 3, clip=0.0)
     return {"losses": losses, "ref_losses": ref_losses, "names": names, "moe": moe_groups,
             "expert_params": expert_params}
 
@@ -363,14 +348,9 @@ def case_tp2_ep2(rank: int, world: int) -> Dict[str, Any]:
               "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": specs}}}
     dp, tp = rank // 2, rank % 2
     engine, *_ = shardtrain.initialize(model=NetTP(2, ep_rank=dp), config=config)
-    x, y = tokens(2), torch.randn(2 * B, T, generator=torch.Generator().manual_seed(9))
-    mine = slice(dp * B, (dp + 1) * B)  # the two ranks of a tensor-parallel group: one batch
-    losses = []
-    for _ in range(3):
-        loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(_mean(loss.detach(), world))
+    x, y = _batches(2)
+    # the two ranks of a tensor-parallel group read one micro-batch
+    losses, _ = _train(engine, x, y, dp * B, world, 3)
     groups = engine.module.moe.groups
     out = {"losses": losses, "ep": groups.ep.ranks(), "replicas": groups.replicas.ranks(),
            "tp": tp, "fc_in": list(engine.module.fc_in.weight.shape)}
@@ -378,20 +358,10 @@ def case_tp2_ep2(rank: int, world: int) -> Dict[str, Any]:
     engine.save_checkpoint(root, tag="t")
     engine.destroy()
     from shardtrain.checkpoint import full_weights
-    ref = NetTP(1)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    ref_losses = []
-    for _ in range(3):
-        loss = torch.nn.functional.mse_loss(ref(x), y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        ref_losses.append(loss.item())
+    out["ref_losses"], _, ref_weights = _one_process(NetTP(1), x, y, 3)
     weights = full_weights(root, tag="t")
-    out["ref_losses"] = ref_losses
-    out["weights"] = max((weights[n].float() - p.detach()).abs().max().item()
-                         for n, p in ref.named_parameters())
+    out["weights"] = max((weights[n].float() - w).abs().max().item()
+                         for n, w in ref_weights[-1].items())
     return out
 
 

@@ -162,3 +162,17 @@ def test_an_expert_split_names_the_expert_in_the_unsplit_model():
          "m.deepspeed_experts.7.w"]
     with pytest.raises(ValueError, match="not the name of local expert 1"):
         split.global_name("m.deepspeed_experts.0.w")
+
+
+def test_deepspeeds_gating_functions_return_its_tuple():
+    """deepspeed.moe.sharded_moe's top1gating/top2gating: (l_aux, combine_weights,
+    dispatch_mask, exp_counts) of the same rules, dropless too (one process: no group)."""
+    from shardtrain.deepspeed.moe.sharded_moe import top1gating, top2gating
+    torch.manual_seed(2)
+    logits = torch.randn(12, 4)
+    got = top1gating(logits, 1.0, 0, drop_tokens=False, use_rts=False)
+    want = gating.top1(logits, 1.0, 0, drop_tokens=False, use_rts=False).as_tuple()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    got = top2gating(logits, 1.0, 0, top2_2nd_expert_sampling=False)
+    want = gating.top2(logits, 1.0, 0, second_sampling=False).as_tuple()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,22 @@ from ..parallel import all_to_all
 from . import gating
 from ._groups import ExpertGroups, expert_groups
 
-__all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "split_experts", "wire_experts"]
+__all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "largest_over", "split_experts",
+           "wire_experts"]
 
 _NOISY = (None, "Jitter", "RSample")
+
+
+def largest_over(group: Optional[comm.Group], device: Any = "cpu") -> Callable[[int], int]:
+    """``agree`` for the gating rules: the largest of a value over ``group`` (dropless buffer
+    sizes; None or one rank: the value itself)."""
+    def agree(value: int) -> int:
+        if group is None or group.size() == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        comm.all_reduce(t, op="max", group=group)
+        return int(t.item())
+    return agree
 
 
 class _Router(torch.nn.Linear):
@@ -93,12 +106,7 @@ class TopKGate(torch.nn.Module):
         return routing.as_tuple()
 
     def _agree(self, value: int) -> int:
-        """The largest ``value`` over the expert-parallel group (dropless buffer sizes)."""
-        if self.ep_group is None or self.ep_group.size() == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.wg.weight.device)
-        comm.all_reduce(t, op="max", group=self.ep_group)
-        return int(t.item())
+        return largest_over(self.ep_group, self.wg.weight.device)(value)
 
 
 class Experts(torch.nn.Module):

@@ -5,23 +5,15 @@ from typing import Optional
 import torch
 
 from shardtrain.moe import gating
-from shardtrain.moe.layer import MOELayer, TopKGate
+from shardtrain.moe.layer import MOELayer, TopKGate, largest_over
 
 __all__ = ["TopKGate", "MOELayer", "top1gating", "top2gating"]
 
 
 def _agree_over(ep_group):
     """The largest of a value over ``ep_group`` (a torch process group or None)."""
-    if ep_group is None:
-        return lambda value: value
     from shardtrain import comm
-    group = comm.Group.of(ep_group, "ep")
-
-    def agree(value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        comm.all_reduce(t, op="max", group=group)
-        return int(t.item())
-    return agree
+    return largest_over(None if ep_group is None else comm.Group.of(ep_group, "ep"))
 
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
