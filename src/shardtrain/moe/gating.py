@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Routing", "capacity", "top1", "top2", "gumbel"]
+__all__ = ["Routing", "capacity", "top1", "top2", "gumbel", "uniform"]
 
 
 @dataclass
@@ -56,10 +56,19 @@ def capacity(tokens: int, experts: int, factor: float, min_capacity: int) -> int
     return max(int(math.ceil(tokens / experts * factor)), int(min_capacity))
 
 
+def uniform(shape: torch.Size, device: torch.device,
+            generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Uniform draws in [0, 1) on ``device``: from ``generator`` where it lives (then moved),
+    else from ``device``'s default generator."""
+    if generator is None:
+        return torch.rand(shape, device=device)
+    return torch.rand(shape, generator=generator, device=generator.device).to(device)
+
+
 def gumbel(shape: torch.Size, device: torch.device,
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Gumbel(0, 1) noise: ``-log(-log(u))`` of uniform draws."""
-    u = torch.rand(shape, generator=generator, device="cpu").to(device)
+    u = uniform(shape, device, generator)
     tiny = torch.finfo(u.dtype).tiny
     return -torch.log(-torch.log(u.clamp_min(tiny)).clamp_min(tiny))
 
@@ -97,7 +106,7 @@ def top1(logits: torch.Tensor, capacity_factor: float = 1.0, min_capacity: int =
     l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * experts
     cap = _buffer(exp_counts, tokens, experts, capacity_factor, min_capacity, drop_tokens, agree)
     if use_rts:
-        draws = torch.rand(mask.shape, generator=generator, device="cpu").to(logits.device)
+        draws = uniform(mask.shape, logits.device, generator)
         keep = _highest(mask * draws, mask, cap)
     else:
         keep = mask * (torch.cumsum(mask, dim=0) <= cap)

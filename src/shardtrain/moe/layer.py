@@ -91,7 +91,7 @@ class TopKGate(torch.nn.Module):
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             eps = 1e-2
-            noise = torch.rand(x.shape, generator=self.generator, device="cpu").to(x.device)
+            noise = gating.uniform(x.shape, x.device, self.generator)
             x = x * (1.0 - eps + 2 * eps * noise)
         logits = self.wg(x)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
