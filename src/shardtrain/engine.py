@@ -94,7 +94,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._build_module()
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
         # mixture-of-experts layers: their expert-parallel groups (None: no layer split)
-        self._experts: Optional[ExpertGroups] = wire_experts(self.module, self.mesh)
+        self._experts: Optional[ExpertGroups] = wire_experts(
+            self.module, self.mesh, config.expert_parallel)
         if self._experts is not None:
             comm.broadcast_coalesced(split_experts(self.module), group=self._experts.replicas)
         if self._parallel.mpu is not None:  # partition_activations and the RNG streams read it

@@ -371,7 +371,6 @@ PLANNED_CASES = {
     "checkpoint.writer": {"type": "fast"},
     "optimizer.legacy_fusion": True,
     "use_data_before_expert_parallelism": True,
-    "expert_parallel": {"enabled": True},
     "hybrid_engine": {"enabled": True},
     "data_efficiency": {"enabled": True},
     "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}},

@@ -136,7 +136,7 @@ def saved_names(name: str, p: torch.Tensor) -> List[str]:
     model: its own name, or for a split expert the name of the expert it is on each rank of
     its expert-parallel group (in that rank order)."""
     split = layout_of(p).expert
-    if split is None:
+    if split is None or split.stacked:
         return [name]
     return [split.global_name(name, r) for r in range(split.ep_size)]
 

@@ -100,6 +100,8 @@ def _in_saved_order(named: List[Tuple[str, torch.nn.Parameter]]
     layer = None
     for name, p in named:
         split = layout_of(p).expert
+        if split is not None and split.stacked:  # every expert under the unsplit name
+            split = None
         here = None if split is None else name.rpartition(f"{split.marker}.")[0]
         if here != layer:
             flush()

@@ -31,9 +31,15 @@ __all__ = ["unsplit", "local_of", "whole_local", "local_param", "state_keys", "r
 
 def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The unsplit flattened tensor, from this rank's whole local flattened one (an all-gather
-    over the tensor-parallel group of a split parameter; every rank of it calls)."""
+    over the tensor-parallel group of a split parameter, or over the expert-parallel group of
+    stacked experts: every rank of it calls)."""
     layout = layout_of(p)
     spec = layout.tp
+    if _stacked(p):  # each rank's experts follow the previous rank's along the first dim
+        ep: comm.Group = layout.expert_groups[0]
+        flat = torch.empty(ep.size() * local.numel(), dtype=local.dtype, device=local.device)
+        comm.all_gather(flat, local.contiguous().view(-1), group=ep)
+        return flat
     if spec is None:
         return local
     group: comm.Group = layout.tp_group
@@ -47,7 +53,7 @@ def over_experts(full: torch.Tensor, p: torch.Tensor) -> List[torch.Tensor]:
     """``[full]``; for a split expert, its value on each rank of the expert-parallel group, in
     rank order (an all-gather over that group: each holds other experts under one name)."""
     groups = layout_of(p).expert_groups
-    if groups is None:
+    if groups is None or _stacked(p):
         return [full]
     ep: comm.Group = groups[0]
     rows = torch.empty(ep.size() * full.numel(), dtype=full.dtype, device=full.device)
@@ -59,6 +65,9 @@ def local_of(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's local flattened tensor, from the unsplit flattened one."""
     layout = layout_of(p)
     spec = layout.tp
+    if _stacked(p):
+        n, rank = layout.local_numel, layout.expert.ep_rank
+        return full[rank * n:(rank + 1) * n]
     if spec is None:
         return full
     group: comm.Group = layout.tp_group
@@ -109,9 +118,17 @@ def state_keys(parts, trainables: Dict[str, Trainable]) -> Dict[str, Dict[str, t
 def read_local(reader, key: str, entry: Dict, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of this rank's local flattened tensor ``key``: a range of the
     saved tensor, or (for a tensor-parallel split parameter) this rank's slice of the whole of it."""
+    if _stacked(p):  # this rank's experts are one range of the saved tensor
+        start = layout_of(p).expert.ep_rank * layout_of(p).local_numel
+        return reader.read(key, entry, start + lo, start + hi)
     if layout_of(p).tp is None:
         return reader.read(key, entry, lo, hi)
     return local_of(reader.read(key, entry, 0, engine_state.numel(p)), p)[lo:hi]
+
+
+def _stacked(p: torch.Tensor) -> bool:
+    split = layout_of(p).expert
+    return split is not None and split.stacked
 
 
 def even_shard(full: torch.Tensor) -> torch.Tensor:

@@ -159,15 +159,18 @@ def scatter(output: torch.Tensor, rows: Optional[torch.Tensor], src: int = 0,
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
-                      group: Optional["Group"] = None) -> None:
-    """Splits ``input`` into the group's size equal parts along dim 0 and sends part r to
-    the group's rank r; ``output`` receives the parts from every rank in rank order."""
+                      group: Optional["Group"] = None,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None) -> None:
+    """Splits ``input`` along dim 0 into the group's size parts (equal ones, or of
+    ``input_split_sizes`` rows) and sends part r to the group's rank r; ``output`` receives
+    the parts from every rank in rank order (of ``output_split_sizes`` rows, when uneven)."""
     _notify("all_to_all", input, group)
     if get_world_size(group) == 1:
         output.copy_(input)
         return
-    _guarded("all_to_all", group, input,
-             lambda: dist.all_to_all_single(output, input, group=_handle(group)))
+    _guarded("all_to_all", group, input, lambda: dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=_handle(group)))
 
 
 def all_gather_object(obj, group: Optional["Group"] = None) -> list:

@@ -43,7 +43,6 @@ PLANNED: Dict[str, str] = {
     "checkpoint.writer": "the fast/decoupled checkpoint writers",
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer path",
     "use_data_before_expert_parallelism": "mixture-of-experts group topology",
-    "expert_parallel": "expert parallelism",
     "hybrid_engine": "the hybrid (RLHF) engine",
     "data_efficiency": "data efficiency (curriculum sampling, random-LTD)",
     "weight_quantization": "weight quantization",

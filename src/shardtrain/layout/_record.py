@@ -32,27 +32,40 @@ _ATTR = "_shardtrain_layout"
 
 @dataclasses.dataclass(frozen=True)
 class ExpertSplit:
-    """Which expert of a mixture-of-experts layer a parameter belongs to, when the layer's
-    experts are split over an expert-parallel group: the ``index``-th of the ``num_local``
-    experts this rank holds; rank ``ep_rank`` of the ``ep_size`` ranks holds the experts
-    ``ep_rank * num_local`` onward. The parameter's name carries its local index after
-    ``marker`` (``...deepspeed_experts.<index>.weight``); the unsplit model's name carries
-    the global one."""
+    """Which experts of a mixture-of-experts layer a parameter holds, when the layer's experts
+    are split over an expert-parallel group: rank ``ep_rank`` of the ``ep_size`` ranks holds
+    the ``num_local`` experts ``ep_rank * num_local`` onward.
 
-    index: int
+    Two ways to hold them: one module per expert (``index``: the ``index``-th local expert,
+    whose parameters' names carry that local index after ``marker``,
+    ``...deepspeed_experts.<index>.weight``, where the unsplit model's names carry the global
+    one); or every local expert stacked along the parameter's first dimension (``index``
+    None: Hugging Face's ``experts.gate_up_proj`` of shape ``(num_experts, ...)``, of which
+    this rank holds rows ``ep_rank * num_local`` onward, under the unsplit model's name).
+    """
+
+    index: Optional[int]
     num_local: int
     ep_size: int
     ep_rank: int
     marker: str = "deepspeed_experts"
 
+    @property
+    def stacked(self) -> bool:
+        """The parameter holds this rank's experts stacked along its first dimension."""
+        return self.index is None
+
     def global_name(self, local_name: str, ep_rank: Optional[int] = None) -> str:
         """``local_name`` with the global index of the expert it names on ``ep_rank`` (default:
-        this rank): the name a model holding every expert gives it.
+        this rank): the name a model holding every expert gives it (a stacked parameter's
+        name is already that).
 
         Example:
             >>> ExpertSplit(1, 2, 4, 3).global_name("moe.deepspeed_experts.1.w")
             'moe.deepspeed_experts.7.w'
         """
+        if self.stacked:
+            return local_name
         head, sep, tail = local_name.rpartition(f"{self.marker}.")
         local, dot, rest = tail.partition(".")
         if not sep or local != str(self.index):
@@ -98,10 +111,13 @@ class ParamLayout:
 
     @property
     def full_shape(self) -> Tuple[int, ...]:
-        """The unsplit parameter's shape (tensor-parallel pieces joined, shards gathered)."""
+        """The unsplit parameter's shape (tensor-parallel pieces joined, shards gathered,
+        stacked experts of every expert-parallel rank joined)."""
         shape = list(self.local_shape)
         if self.tp is not None:
             shape[self.tp.dim] = self.tp.full_size
+        if self.expert is not None and self.expert.stacked:
+            shape[0] *= self.expert.ep_size
         return tuple(shape)
 
     @property
@@ -111,7 +127,7 @@ class ParamLayout:
 
     @property
     def local_numel(self) -> int:
-        """Elements of this rank's tensor-parallel piece."""
+        """Elements of this rank's piece (tensor-parallel, or its stacked experts)."""
         return math.prod(self.local_shape)
 
     @property

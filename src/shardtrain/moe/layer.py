@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,9 @@ from .. import comm
 from ..layout import ExpertSplit, place
 from ..parallel import all_to_all
 from . import gating
+from ._auto_config import parse_block
 from ._groups import ExpertGroups, expert_groups
+from .auto import auto_ep
 
 __all__ = ["MoE", "MOELayer", "TopKGate", "Experts", "largest_over", "split_experts",
            "wire_experts"]
@@ -280,23 +282,27 @@ def split_experts(module: torch.nn.Module) -> List[torch.nn.Parameter]:
             for p in m.deepspeed_moe.experts.parameters()]
 
 
-def wire_experts(module: torch.nn.Module, mesh: Optional[comm.Mesh] = None
-                 ) -> Optional[ExpertGroups]:
-    """Gives each :class:`MoE` layer of ``module`` its expert-parallel group (a collective:
-    every rank, at the same point); returns the groups of the layers split over ranks
-    (``ep_size`` > 1), or None when none is. On a mesh with tensor parallelism the experts
-    are split over the ranks of each tensor-parallel coordinate. Refused by name: layers of
-    different ``ep_size`` in one model, and a split layer with sequence parallelism."""
+def wire_experts(module: torch.nn.Module, mesh: Optional[comm.Mesh] = None,
+                 auto: Optional[Dict[str, Any]] = None) -> Optional[ExpertGroups]:
+    """Gives each :class:`MoE` layer of ``module`` its expert-parallel group, and with an
+    enabled ``expert_parallel`` block ``auto`` splits the experts of the model's own MoE
+    blocks (:func:`~shardtrain.moe.auto.auto_ep`): a collective, every rank at the same
+    point. Returns the groups of the experts split over ranks (``ep_size`` > 1), or None when
+    none are. On a mesh with tensor parallelism the layers' experts are split over the ranks
+    of each tensor-parallel coordinate. Refused by name: experts split over different sizes
+    in one model, and split experts with sequence parallelism."""
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
-    sizes = sorted({m.ep_size for _, m in layers if m.ep_size > 1})
+    config = parse_block(auto)
+    sizes = sorted({m.ep_size for _, m in layers if m.ep_size > 1}
+                   | ({config.autoep_size} if config.enabled and config.autoep_size > 1 else set()))
     if len(sizes) > 1:
-        raise NotImplementedError(f"MoE layers with different ep_size {sizes} in one model: "
-                                  "build them with one ep_size.")
+        raise NotImplementedError(f"experts split over different sizes {sizes} in one model "
+                                  "(MoE layers' ep_size, expert_parallel.autoep_size): use one.")
     if sizes and mesh is not None and mesh.size("sp") > 1:
         raise NotImplementedError(
-            f"expert-parallel MoE layers (ep_size {sizes[0]}) with sequence parallelism are "
-            "not provided: set sequence_parallel_size to 1, or build the layers with "
-            "ep_size=1.")
+            f"experts split over ranks (ep_size {sizes[0]}) with sequence parallelism are "
+            "not provided: set sequence_parallel_size to 1, or the expert-parallel size to 1.")
     for _, m in layers:
         m.set_deepspeed_parallelism(mesh=mesh)
+    auto_ep(module, auto, mesh)
     return expert_groups(sizes[0], mesh) if sizes else None

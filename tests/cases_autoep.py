@@ -1,0 +1,287 @@
+"""AutoEP over ranks: transformers' own MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3,
+built from tiny configs) and a custom model described by patterns, their experts split over
+the expert-parallel group by the ``expert_parallel`` block, trained by the engine against the
+same model in one process on the global batch: losses (with the model's router-auxiliary
+loss), clipped global norms and every weight. Also checkpoints between expert-parallel sizes
+and what AutoEP refuses."""
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+import shardtrain
+from shardtrain import comm
+from shardtrain.layout import layout_of
+
+B, T, V, STEPS = 2, 8, 64, 3
+_SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32, output_router_logits=True,
+              router_aux_loss_coef=0.02)
+
+
+def hf_model(family: str) -> torch.nn.Module:
+    """A tiny model of ``family``, the same weights on every call."""
+    import transformers as tf
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = tf.MixtralConfig(intermediate_size=48, num_local_experts=4,
+                                  num_experts_per_tok=2, **_SMALL)
+        return tf.MixtralForCausalLM(config)
+    if family == "qwen2_moe":
+        config = tf.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2, **_SMALL)
+        return tf.Qwen2MoeForCausalLM(config)
+    if family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24,
+                                   num_experts=8, num_experts_per_tok=2, head_dim=8, **_SMALL)
+        return tf.Qwen3MoeForCausalLM(config)
+    if family == "deepseek_v3":
+        small = {k: v for k, v in _SMALL.items() if k != "output_router_logits"}
+        config = tf.DeepseekV3Config(intermediate_size=48, moe_intermediate_size=24,
+                                     n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                     topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                     kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+                                     qk_nope_head_dim=4, v_head_dim=8, **small)
+        model = tf.DeepseekV3ForCausalLM(config)
+        with torch.no_grad():  # its router starts at zero; distinct scores route by rank
+            for m in model.modules():
+                if type(m).__name__ == "DeepseekV3TopkRouter":
+                    m.weight.normal_(0, 0.5)
+        return model
+    if family == "custom":
+        return Custom()
+    raise ValueError(family)
+
+
+class CustomExperts(torch.nn.Module):
+    """Stacked experts with a separate up projection, under names no preset uses."""
+
+    def __init__(self, n: int, d: int, f: int):
+        super().__init__()
+        self.w_gate = torch.nn.Parameter(torch.randn(n, f, d) * 0.3)
+        self.w_up = torch.nn.Parameter(torch.randn(n, f, d) * 0.3)
+        self.w_down = torch.nn.Parameter(torch.randn(n, d, f) * 0.3)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for slot in range(top_k_index.shape[1]):
+            e = top_k_index[:, slot]
+            h = torch.einsum("td,tfd->tf", x, self.w_gate[e])
+            u = torch.einsum("td,tfd->tf", x, self.w_up[e])
+            y = torch.einsum("tf,tdf->td", torch.nn.functional.silu(h) * u, self.w_down[e])
+            out = out + y * top_k_weights[:, slot, None]
+        return out
+
+
+class CustomBlock(torch.nn.Module):
+    def __init__(self, n: int, d: int):
+        super().__init__()
+        self.router = torch.nn.Linear(d, n, bias=False)
+        self.bank = CustomExperts(n, d, 2 * d)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.router(flat).softmax(-1).topk(2, dim=-1)
+        return x + self.bank(flat, index, weights).reshape(x.shape)
+
+
+class Custom(torch.nn.Module):
+    def __init__(self, n: int = 4, d: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(V, d)
+        self.blocks = torch.nn.ModuleList(CustomBlock(n, d) for _ in range(2))
+        self.head = torch.nn.Linear(d, V)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        return type("Out", (), {"loss": loss})()
+
+
+CUSTOM = {"moe_layer_pattern": r"blocks\.\d+", "router_pattern": "router",
+          "expert_pattern": "bank", "expert_w1": "w_gate", "expert_w2": "w_down",
+          "expert_w3": "w_up"}
+
+
+def _block(family: str, ep: int) -> Dict[str, Any]:
+    if family == "custom":
+        return {"enabled": True, "autoep_size": ep, **CUSTOM}
+    return {"enabled": True, "autoep_size": ep, "preset_model": family}
+
+
+def _config(family: str, stage: int, ep: Optional[int], bf16: bool = False) -> Dict[str, Any]:
+    config = {"train_micro_batch_size_per_gpu": B,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+              "bf16": {"enabled": bf16}}
+    if ep is not None:
+        config["expert_parallel"] = _block(family, ep)
+    return config
+
+
+def _batches(world: int):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, V, (world * B, T), generator=g) for _ in range(STEPS)]
+
+
+def _train(engine, data, rank: int, world: int, steps: int = STEPS):
+    losses, norms = [], []
+    for x in data[:steps]:
+        mine = x[rank * B:(rank + 1) * B]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        comm.all_reduce(mean)
+        losses.append(mean.item() / world)
+        norms.append(float(engine.get_global_grad_norm()))
+    return losses, norms
+
+
+def one_process(family: str, data, world: int):
+    """The reference: the whole model in this process, each step's gradient the mean of each
+    rank's micro-batch loss's (the router-auxiliary loss is a statistic of the tokens it
+    sees), clipped at 1.0, AdamW as configured."""
+    model = hf_model(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses, norms = [], []
+    for x in data:
+        total = 0.0
+        for r in range(world):
+            mine = x[r * B:(r + 1) * B]
+            loss = model(input_ids=mine, labels=mine).loss / world
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_state(engine) -> Dict[str, torch.Tensor]:
+    """Every weight of the unsplit model: stage 3's gathered, each block's experts joined
+    over the expert-parallel group (a collective)."""
+    params = dict(engine.module.named_parameters())
+    out = {}
+    for name, value in engine.module.state_dict().items():
+        value = value.detach().float().contiguous()
+        split = layout_of(params[name]).expert if name in params else None
+        if split is not None and split.ep_size > 1:
+            ep = layout_of(params[name]).expert_groups[0]
+            rows = torch.empty((ep.size(),) + tuple(value.shape))
+            comm.all_gather(rows.view(-1), value.view(-1), group=ep)
+            value = rows.flatten(0, 1)
+        out[name] = value
+    return out
+
+
+def case_engine(family: str, stage: int, ep: int, bf16: bool = False
+                ) -> Callable[[int, int], Dict[str, Any]]:
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        data = _batches(world)
+        engine, *_ = shardtrain.initialize(model=hf_model(family),
+                                           config=_config(family, stage, ep, bf16))
+        losses, norms = _train(engine, data, rank, world)
+        params = list(engine.module.parameters())
+        numel = {"dense": sum(layout_of(p).numel for p in params if layout_of(p).expert is None),
+                 "experts": sum(layout_of(p).numel for p in params
+                                if layout_of(p).expert is not None),
+                 "bytes": engine.model_state_bytes()["total"]}
+        got = full_state(engine)
+        engine.destroy()
+        ref_losses, ref_norms, ref = one_process(family, data, world)
+        return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
+                "ref_norms": ref_norms, "names": set(ref) <= set(got),
+                "weights": max((got[n] - ref[n]).abs().max().item() for n in ref),
+                "memory": numel}
+    return case
+
+
+def case_checkpoint(saved_with, loads) -> Callable[[int, int], Dict[str, Any]]:
+    """Mixtral trained two steps with ``saved_with`` (autoep_size, stage) and saved; resumed
+    by an engine of each of ``loads`` (name, autoep_size or None, stage) for the third step;
+    the checkpoint consolidated into the one-process model's weights."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        from shardtrain.checkpoint import full_weights
+        data = _batches(world)
+        root = comm.broadcast_object(tempfile.mkdtemp(prefix="autoep-") if rank == 0 else "")
+        ep, stage = saved_with
+        engine = shardtrain.initialize(model=hf_model("mixtral"),
+                                       config=_config("mixtral", stage, ep))[0]
+        out: Dict[str, Any] = {"first": _train(engine, data, rank, world, 2)[0]}
+        engine.save_checkpoint(root, tag="two")
+        engine.destroy()
+        for name, ep, stage in loads:
+            resumed = shardtrain.initialize(model=hf_model("mixtral"),
+                                            config=_config("mixtral", stage, ep))[0]
+            resumed.load_checkpoint(root, tag="two")
+            out[name] = _train(resumed, data[2:], rank, world, 1)[0][0]
+            resumed.destroy()
+        out["ref_losses"], _, _ = one_process("mixtral", data, world)
+        _, _, ref = one_process("mixtral", data[:2], world)
+        weights = full_weights(root, tag="two")
+        out["names"] = sorted(weights) == sorted(ref)
+        out["weights"] = max((weights[n].float() - w).abs().max().item() for n, w in ref.items())
+        return out
+    return case
+
+
+def case_refusals(rank: int, world: int) -> Dict[str, str]:
+    """Each mistake's message (the engine is never built)."""
+    import transformers as tf
+    out: Dict[str, str] = {}
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=16,
+                                               intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2))
+    three = tf.MixtralForCausalLM(tf.MixtralConfig(
+        intermediate_size=16, num_local_experts=3, num_experts_per_tok=1,
+        **{**_SMALL, "hidden_size": 16}))
+    tries = {
+        "no_block": (llama, {"preset_model": "mixtral"}),
+        "no_preset": (llama, {}),
+        "unknown_preset": (hf_model("mixtral"), {"preset_model": "mixtral_v9"}),
+        "indivisible": (three, {"preset_model": "mixtral"}),
+        "routing": (hf_model("mixtral"), {"preset_model": "mixtral", "top_k": 1}),
+        "unknown_key": (hf_model("mixtral"), {"preset_model": "mixtral", "autoep": 2}),
+        "missing_part": (hf_model("mixtral"), {"preset_model": "mixtral",
+                                               "router_pattern": "router"}),
+        "weights": (hf_model("mixtral"), {"preset_model": "mixtral", "expert_w1": "w1"}),
+    }
+    for name, (model, block) in tries.items():
+        config = _config("mixtral", 0, None)
+        config["expert_parallel"] = {"enabled": True, "autoep_size": world, **block}
+        try:
+            shardtrain.initialize(model=model, config=config)[0].destroy()
+            out[name] = "accepted"
+        except (ValueError, NotImplementedError) as e:
+            out[name] = str(e)
+    return out
+
+
+def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
+    from _dist import run_cases
+    cases: Dict[str, Callable] = {
+        f"mixtral_s{stage}": case_engine("mixtral", stage, 2) for stage in (0, 1, 2, 3)}
+    cases.update(qwen2_moe_s2=case_engine("qwen2_moe", 2, 2),
+                 qwen3_moe_s1=case_engine("qwen3_moe", 1, 2),
+                 deepseek_v3_s3=case_engine("deepseek_v3", 3, 2),
+                 custom_s2=case_engine("custom", 2, 2),
+                 checkpoint=case_checkpoint((2, 2), (("ep2_s1", 2, 1), ("dense_s3", None, 3))),
+                 refusals=case_refusals)
+    return run_cases(cases, rank, world_size)
+
+
+def four_ranks(rank: int, world_size: int) -> Dict[str, Any]:
+    from _dist import run_cases
+    cases = {"ep2_s2": case_engine("mixtral", 2, 2), "ep2_s3": case_engine("qwen3_moe", 3, 2),
+             "ep4_s1": case_engine("mixtral", 1, 4),
+             # ep 2 x expert-data-parallel 2, resumed with each expert on one rank, and dense
+             "checkpoint": case_checkpoint((2, 2), (("ep4_s2", 4, 2), ("dense_s0", None, 0)))}
+    return run_cases(cases, rank, world_size)

@@ -1,0 +1,93 @@
+"""AutoEP (the ``expert_parallel`` block) over 2 and 4 ranks (one process group per world
+size runs every case of ``cases_autoep``): transformers' MoE models and a custom one, their
+experts split over the ranks, train as the unsplit model does in one process; checkpoints
+move between expert-parallel sizes; mistakes are named."""
+from __future__ import annotations
+
+import pytest
+
+from _dist import result, run_ranks
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def run():
+    return None, run_ranks("cases_autoep:all_cases", 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run4():
+    return None, run_ranks("cases_autoep:four_ranks", 4, timeout=300)
+
+
+def _same_training(got):
+    assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+    assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
+    assert got["names"] and got["weights"] < ATOL, got["weights"]
+
+
+@pytest.mark.parametrize("name", ["mixtral_s0", "mixtral_s1", "mixtral_s2", "mixtral_s3",
+                                  "qwen2_moe_s2", "qwen3_moe_s1", "deepseek_v3_s3",
+                                  "custom_s2"])
+def test_autoep_trains_as_the_unsplit_model_in_one_process(run, name):
+    """Dropless routing by the model's own router: losses (with its router-auxiliary loss),
+    clipped global norms and every weight of the unsplit model (experts joined over the
+    ranks) equal one process's on the global batch."""
+    for rank in range(2):
+        _same_training(result(run, name, rank))
+
+
+@pytest.mark.parametrize("name,world,ep,stage", [
+    ("mixtral_s0", 2, 2, 0), ("mixtral_s1", 2, 2, 1), ("mixtral_s2", 2, 2, 2),
+    ("mixtral_s3", 2, 2, 3), ("ep2_s2", 4, 2, 2), ("ep4_s1", 4, 4, 1)])
+def test_model_state_bytes_per_rank_follow_the_formula(run, run4, name, world, ep, stage):
+    """fp32 AdamW (4 + 4 + 8 bytes a parameter): the dense parameters by the ZeRO formula over
+    every rank, plus this rank's 1/ep of the experts by the formula over the ranks holding
+    the same ones (at stage 3 as at stage 2), within 10% (shards are padded)."""
+    from shardtrain.memory import zero_formula_bytes
+    for rank in range(world):
+        got = result(run if world == 2 else run4, name, rank)["memory"]
+        want = zero_formula_bytes(got["dense"], world, stage, 4, 4, 8) + \
+            zero_formula_bytes(got["experts"] // ep, world // ep, min(stage, 2), 4, 4, 8)
+        assert got["bytes"] == pytest.approx(want, rel=0.1), (got, want)
+
+
+def test_checkpoints_describe_the_unsplit_model(run):
+    """Saved with the experts split over 2 ranks at ZeRO-2: resumed with them split at ZeRO-1
+    and by a model without the expert_parallel block at ZeRO-3, each the uninterrupted run's
+    third loss; consolidated into the one-process model's weights under its own names."""
+    for rank in range(2):
+        got = result(run, "checkpoint", rank)
+        assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
+        for name in ("ep2_s1", "dense_s3"):
+            assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
+        assert got["names"] and got["weights"] < ATOL
+
+
+def test_four_ranks_ep2_by_expert_data_parallel_2_and_ep4(run4):
+    """ep 2 x expert-data-parallel 2 (ZeRO-2 Mixtral, ZeRO-3 Qwen3-MoE) and ep 4 (ZeRO-1):
+    one process's training; a checkpoint saved with ep 2 x edp 2 resumes with ep 4 and with
+    no expert parallelism."""
+    for rank in range(4):
+        for name in ("ep2_s2", "ep2_s3", "ep4_s1"):
+            _same_training(result(run4, name, rank))
+        got = result(run4, "checkpoint", rank)
+        assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
+        for name in ("ep4_s2", "dense_s0"):
+            assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
+        assert got["names"] and got["weights"] < ATOL
+
+
+def test_mistakes_are_named(run):
+    got = result(run, "refusals", 0)
+    assert "preset_model 'mixtral' matches no MoE block of LlamaForCausalLM" in got["no_block"]
+    assert "no preset for LlamaForCausalLM (model_type 'llama')" in got["no_preset"]
+    assert "'mixtral_v9' is not a preset: choose one of" in got["unknown_preset"]
+    assert "has 3 experts, which autoep_size 2 does not divide: choose an autoep_size among " \
+        "[1, 3]" in got["indivisible"]
+    assert "expert_parallel.top_k = 1: AutoEP keeps each MoE block's own router" in \
+        got["routing"]
+    assert "expert_parallel has unknown keys ['autoep']" in got["unknown_key"]
+    assert "has no child 'router' (router_pattern)" in got["missing_part"]
+    assert "have no stacked weights ['w1']" in got["weights"]
