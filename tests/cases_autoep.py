@@ -217,6 +217,7 @@ def case_checkpoint(saved_with, loads) -> Callable[[int, int], Dict[str, Any]]:
                                        config=_config("mixtral", stage, ep))[0]
         out: Dict[str, Any] = {"first": _train(engine, data, rank, world, 2)[0]}
         engine.save_checkpoint(root, tag="two")
+        engine.save_16bit_model(root, "model.safetensors")  # the experts joined
         engine.destroy()
         for name, ep, stage in loads:
             resumed = shardtrain.initialize(model=hf_model("mixtral"),
@@ -226,10 +227,36 @@ def case_checkpoint(saved_with, loads) -> Callable[[int, int], Dict[str, Any]]:
             resumed.destroy()
         out["ref_losses"], _, _ = one_process("mixtral", data, world)
         _, _, ref = one_process("mixtral", data[:2], world)
-        weights = full_weights(root, tag="two")
-        out["names"] = sorted(weights) == sorted(ref)
-        out["weights"] = max((weights[n].float() - w).abs().max().item() for n, w in ref.items())
+        from safetensors.torch import load_file
+        for key, weights in (("weights", full_weights(root, tag="two")),
+                             ("16bit", load_file(f"{root}/model.safetensors"))):
+            out[key] = (sorted(weights) == sorted(ref),
+                        max((weights[n].float() - w).abs().max().item() for n, w in ref.items()))
         return out
+    return case
+
+
+def sp_mixtral() -> torch.nn.Module:
+    """Mixtral for the sequence-parallel cases (``cases_parallel``'s vocabulary and batches;
+    no router-auxiliary loss: it is a statistic of the tokens each rank sees, and a
+    sequence-parallel rank sees part of each sequence)."""
+    import transformers as tf
+    from cases_parallel import VOCAB as vocab
+    torch.manual_seed(0)
+    return tf.MixtralForCausalLM(tf.MixtralConfig(
+        **{**_SMALL, "vocab_size": vocab, "max_position_embeddings": 64,
+           "output_router_logits": False}, intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, attn_implementation="sdpa"))
+
+
+def case_sequence_parallel(stage: int, ep: int) -> Callable[[int, int], Dict[str, Any]]:
+    """Ulysses (sequence_parallel_size 2) with the experts split over ``ep`` ranks, against
+    one process on the batches every data-parallel replica read (``cases_parallel``)."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        from cases_parallel import compare, config
+        block = {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}
+        return compare(sp_mixtral, config(stage, sequence_parallel_size=2,
+                                          expert_parallel=block))
     return case
 
 
@@ -274,6 +301,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                  deepseek_v3_s3=case_engine("deepseek_v3", 3, 2),
                  custom_s2=case_engine("custom", 2, 2),
                  checkpoint=case_checkpoint((2, 2), (("ep2_s1", 2, 1), ("dense_s3", None, 3))),
+                 sp2_ep2_s2=case_sequence_parallel(2, 2),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)
 
@@ -282,6 +310,7 @@ def four_ranks(rank: int, world_size: int) -> Dict[str, Any]:
     from _dist import run_cases
     cases = {"ep2_s2": case_engine("mixtral", 2, 2), "ep2_s3": case_engine("qwen3_moe", 3, 2),
              "ep4_s1": case_engine("mixtral", 1, 4),
+             "dp2xsp2_ep4_s3": case_sequence_parallel(3, 4),
              # ep 2 x expert-data-parallel 2, resumed with each expert on one rank, and dense
              "checkpoint": case_checkpoint((2, 2), (("ep4_s2", 4, 2), ("dense_s0", None, 0)))}
     return run_cases(cases, rank, world_size)

@@ -56,13 +56,15 @@ def test_model_state_bytes_per_rank_follow_the_formula(run, run4, name, world, e
 def test_checkpoints_describe_the_unsplit_model(run):
     """Saved with the experts split over 2 ranks at ZeRO-2: resumed with them split at ZeRO-1
     and by a model without the expert_parallel block at ZeRO-3, each the uninterrupted run's
-    third loss; consolidated into the one-process model's weights under its own names."""
+    third loss; consolidated into the one-process model's weights under its own names, as
+    engine.save_16bit_model writes them (the experts joined)."""
     for rank in range(2):
         got = result(run, "checkpoint", rank)
         assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
         for name in ("ep2_s1", "dense_s3"):
             assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
-        assert got["names"] and got["weights"] < ATOL
+        for key in ("weights", "16bit"):  # consolidated; engine.save_16bit_model's file
+            assert got[key][0] and got[key][1] < ATOL, key
 
 
 def test_four_ranks_ep2_by_expert_data_parallel_2_and_ep4(run4):
@@ -76,7 +78,18 @@ def test_four_ranks_ep2_by_expert_data_parallel_2_and_ep4(run4):
         assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
         for name in ("ep4_s2", "dense_s0"):
             assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
-        assert got["names"] and got["weights"] < ATOL
+        for key in ("weights", "16bit"):
+            assert got[key][0] and got[key][1] < ATOL, key
+
+
+@pytest.mark.parametrize("world,name", [(2, "sp2_ep2_s2"), (4, "dp2xsp2_ep4_s3")])
+def test_with_sequence_parallelism(run, run4, world, name):
+    """Ulysses with the experts split over the ranks that see other tokens (sp 2 with ep 2 at
+    ZeRO-2; dp 2 x sp 2 with ep 4 at ZeRO-3): one process's losses, norm and weights."""
+    for rank in range(world):
+        got = result(run if world == 2 else run4, name, rank)
+        assert got["loss_err"] < ATOL and got["weight_err"] < ATOL, got
+        assert got["norm_err"] < ATOL and got["moved"] > 1e-3
 
 
 def test_mistakes_are_named(run):

@@ -882,16 +882,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """Whether ``engine.compile()`` has compiled the module."""
         return self._compiled is not None
 
-    def _refuse_split_experts(self, what: str) -> None:
-        """One file of the whole model's weights from experts split over ranks is not
-        written: refused by name, before any write (checkpoints hold them)."""
-        if self._experts is not None:
-            raise NotImplementedError(
-                f"engine.{what}() with expert-parallel MoE layers (ep_size "
-                f"{self._experts.ep_size}) is not provided: the experts are split over ranks. "
-                "Save a checkpoint (engine.save_checkpoint) and consolidate it (`shardtrain "
-                "consolidate`), which writes every expert under its index.")
-
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Writes the full module weights (in the module's dtype) to one file; call it on
@@ -901,12 +891,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         they are gathered one module at a time, so any rank's device holds at most one more
         module's parameters and rank 0's host one tensor at a time. Any other name is a
         ``torch.save`` file (loadable with ``torch.load(..., weights_only=True)``), for which
-        rank 0 holds the whole state dict on the host.
+        rank 0 holds the whole state dict on the host. Experts split over ranks are written
+        whole, under the unsplit model's names.
 
         Example:
             >>> engine.save_16bit_model("out", "model.safetensors")
         """
-        self._refuse_split_experts("save_16bit_model")
         frozen = [n for n, p in self.module.named_parameters() if not p.requires_grad] \
             if exclude_frozen_parameters else []
         save_full_weights(self.module, os.path.join(save_dir, save_filename), exclude=frozen)

@@ -14,6 +14,9 @@ whole model on the host for it.
 
 With tensor parallelism, a split parameter (``layout_of(p).tp``) is also joined from the slices of
 its tensor-parallel group (one all-gather), so the names and shapes are the unsplit model's.
+So are the experts of a mixture-of-experts layer split over ranks (``layout_of(p).expert``):
+stacked experts are joined along their first dimension over the expert-parallel group, and a
+layer's expert modules are gathered over it and yielded under their global names.
 
 Example:
     >>> for names, tensor in iter_full_weights(engine.module):   # on every rank
@@ -70,7 +73,21 @@ def iter_full_weights(module: torch.nn.Module, exclude: Iterable[str] = ()) -> I
         params = [t for _, t in group if is_partitioned(t)]
         with GatheredParameters(params):  # nothing to gather at stages 0-2
             for names, tensor in group:
-                yield names, _joined(tensor.detach(), tensor)
+                split = layout_of(tensor).expert
+                if split is None or split.stacked:
+                    yield names, _joined(tensor.detach(), tensor)
+                    continue
+                for r, value in enumerate(_over_experts(tensor.detach(), tensor)):
+                    yield [split.global_name(n, r) for n in names], value
+
+
+def _over_experts(value: torch.Tensor, param: torch.Tensor) -> List[torch.Tensor]:
+    """An expert module's parameter as each rank of its expert-parallel group holds it (each
+    another expert), in rank order: a collective over that group."""
+    ep = layout_of(param).expert_groups[0]
+    rows = torch.empty((ep.size(),) + tuple(value.shape), dtype=value.dtype, device=value.device)
+    comm.all_gather(rows.view(-1), value.contiguous().view(-1), group=ep)
+    return list(rows.unbind(0))
 
 
 def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -78,6 +95,8 @@ def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     tensor as it is."""
     layout = layout_of(param)
     spec = layout.tp
+    if layout.expert is not None and layout.expert.stacked:  # every rank's experts, in order
+        return torch.cat(_over_experts(value, param))
     if spec is None:
         return value
     group = layout.tp_group
@@ -134,7 +153,10 @@ def _plan(module: torch.nn.Module, entries: List[Entry]) -> Layout:
     plan = []
     for group in _by_module(module, entries):
         for names, t in group:
-            plan += [(name, t.dtype, _full_shape(t)) for name in names]
+            split = layout_of(t).expert
+            ranks = [None] if split is None or split.stacked else range(split.ep_size)
+            plan += [(name if r is None else split.global_name(name, r), t.dtype, _full_shape(t))
+                     for r in ranks for name in names]
     return plan
 
 

@@ -298,10 +298,6 @@ def wire_experts(module: torch.nn.Module, mesh: Optional[comm.Mesh] = None,
     if len(sizes) > 1:
         raise NotImplementedError(f"experts split over different sizes {sizes} in one model "
                                   "(MoE layers' ep_size, expert_parallel.autoep_size): use one.")
-    if sizes and mesh is not None and mesh.size("sp") > 1:
-        raise NotImplementedError(
-            f"experts split over ranks (ep_size {sizes[0]}) with sequence parallelism are "
-            "not provided: set sequence_parallel_size to 1, or the expert-parallel size to 1.")
     for _, m in layers:
         m.set_deepspeed_parallelism(mesh=mesh)
     auto_ep(module, auto, mesh)
