@@ -195,12 +195,20 @@ def case_engine(family: str, stage: int, ep: int, bf16: bool = False
                                 if layout_of(p).expert is not None),
                  "bytes": engine.model_state_bytes()["total"]}
         got = full_state(engine)
+        mpu = engine.mpu
+        groups = {"ep": (mpu.get_expert_model_parallel_world_size(),
+                         mpu.get_expert_model_parallel_rank()),
+                  "edp": (mpu.get_expert_data_parallel_world_size(),
+                          mpu.get_expert_data_parallel_rank()),
+                  "ep_ranks": torch.distributed.get_process_group_ranks(
+                      mpu.get_expert_model_parallel_group())
+                  if mpu.get_expert_model_parallel_world_size() < world else "world"}
         engine.destroy()
         ref_losses, ref_norms, ref = one_process(family, data, world)
         return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
                 "ref_norms": ref_norms, "names": set(ref) <= set(got),
                 "weights": max((got[n] - ref[n]).abs().max().item() for n in ref),
-                "memory": numel}
+                "memory": numel, "mpu": groups}
     return case
 
 

@@ -38,6 +38,20 @@ def test_autoep_trains_as_the_unsplit_model_in_one_process(run, name):
         _same_training(result(run, name, rank))
 
 
+def test_engine_mpu_answers_for_the_expert_groups(run, run4):
+    """engine.mpu's expert lookups (Megatron's names): ep 2 on 2 ranks is the world; on 4,
+    ranks [0, 1] and [2, 3] hold other experts, [0, 2] and [1, 3] the same ones; ep 4 is
+    the world, each expert on one rank."""
+    for rank in range(2):
+        assert result(run, "mixtral_s2", rank)["mpu"] == {"ep": (2, rank), "edp": (1, 0),
+                                                           "ep_ranks": "world"}
+    for rank in range(4):
+        assert result(run4, "ep2_s2", rank)["mpu"] == {
+            "ep": (2, rank % 2), "edp": (2, rank // 2),
+            "ep_ranks": [rank - rank % 2, rank - rank % 2 + 1]}
+        assert result(run4, "ep4_s1", rank)["mpu"]["ep"] == (4, rank)
+
+
 @pytest.mark.parametrize("name,world,ep,stage", [
     ("mixtral_s0", 2, 2, 0), ("mixtral_s1", 2, 2, 1), ("mixtral_s2", 2, 2, 2),
     ("mixtral_s3", 2, 2, 3), ("ep2_s2", 4, 2, 2), ("ep4_s1", 4, 4, 1)])

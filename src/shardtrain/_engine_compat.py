@@ -207,7 +207,9 @@ class DeepSpeedEngineAPI:
     def mpu(self) -> Any:
         """DeepSpeed's model-parallel unit for the engine's mesh
         (:class:`shardtrain.parallel.mpu.MeshMPU`: ``get_{model,data}_parallel_{rank,group,
-        world_size}()`` and the sequence-parallel ones); None with data parallelism alone."""
+        world_size}()``, the sequence-parallel ones, and with experts split over ranks
+        ``get_expert_{model,data}_parallel_{group,rank,world_size}()``); None with data
+        parallelism alone."""
         return self.parallelism.mpu
 
     @property

@@ -98,6 +98,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             self.module, self.mesh, config.expert_parallel)
         if self._experts is not None:
             comm.broadcast_coalesced(split_experts(self.module), group=self._experts.replicas)
+            self._parallel.experts = self._experts  # engine.mpu's expert-parallel lookups
         if self._parallel.mpu is not None:  # partition_activations and the RNG streams read it
             checkpointing.configure(mpu_=self._parallel.mpu)
         trainable = _unique([p for p in self.module.parameters() if p.requires_grad])

@@ -27,12 +27,15 @@ class Parallelism:
     tensor: Any = None     # the AutoTP plan (tensor_parallel), or None
     sequence: Any = None   # the Ulysses plan (sequence_parallel_size), or None
     batch_transform: Optional[Callable[[Any], Any]] = None  # each loader batch, per rank
+    experts: Any = None    # the expert-parallel groups (moe.ExpertGroups), or None
 
     @property
     def mpu(self) -> Optional[MeshMPU]:
         """DeepSpeed's ``mpu`` for this mesh; None with data parallelism alone."""
         sizes = self.mesh.sizes
-        return MeshMPU(self.mesh) if sizes["tp"] * sizes["sp"] > 1 else None
+        if sizes["tp"] * sizes["sp"] == 1 and self.experts is None:
+            return None
+        return MeshMPU(self.mesh, self.experts)
 
     @property
     def tensor_group(self) -> Optional[comm.Group]:

@@ -22,10 +22,12 @@ __all__ = ["MeshMPU", "mesh_from_mpu"]
 
 
 class MeshMPU:
-    """The groups of ``mesh`` (a :class:`shardtrain.comm.Mesh`) as DeepSpeed's ``mpu``."""
+    """The groups of ``mesh`` (a :class:`shardtrain.comm.Mesh`) as DeepSpeed's ``mpu``; with
+    ``experts`` (the expert-parallel groups of a model whose experts are split over ranks:
+    ``.ep`` and ``.edp``), Megatron's expert-parallel lookups too."""
 
-    def __init__(self, mesh: comm.Mesh):
-        self.mesh = mesh
+    def __init__(self, mesh: comm.Mesh, experts: Any = None):
+        self.mesh, self.experts = mesh, experts
 
     # tensor (model) parallel
     def get_model_parallel_group(self):
@@ -69,6 +71,35 @@ class MeshMPU:
 
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.mesh.zero.size()
+
+    # expert parallel (the ranks that hold other experts), and the ranks holding the same
+    # ones; without split experts, every rank holds every expert
+    def _expert(self, which: str) -> comm.Group:
+        if self.experts is None:
+            return comm.Group(None, "ep", solo=True) if which == "ep" else self.mesh.zero
+        return getattr(self.experts, which)
+
+    def get_expert_model_parallel_group(self):
+        return self._expert("ep").process_group
+
+    def get_expert_model_parallel_rank(self) -> int:
+        return self._expert("ep").rank()
+
+    def get_expert_model_parallel_world_size(self) -> int:
+        return self._expert("ep").size()
+
+    def get_expert_data_parallel_group(self):
+        return self._expert("edp").process_group
+
+    def get_expert_data_parallel_rank(self) -> int:
+        return self._expert("edp").rank()
+
+    def get_expert_data_parallel_world_size(self) -> int:
+        return self._expert("edp").size()
+
+    get_expert_parallel_group = get_expert_model_parallel_group
+    get_expert_parallel_rank = get_expert_model_parallel_rank
+    get_expert_parallel_world_size = get_expert_model_parallel_world_size
 
     def __repr__(self) -> str:
         return f"MeshMPU({self.mesh!r})"
