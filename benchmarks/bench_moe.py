@@ -12,6 +12,15 @@ same global batches, on W processes (gloo, CPU by default), AdamW, ZeRO stage 2 
   runs (how a model's own MoE block trains without expert parallelism);
 * ``ep<N>``: ``ep_size`` N, each rank holds E/N experts; tokens travel by all-to-all.
 
+With ``--model mixtral`` the model is transformers' ``MixtralForCausalLM`` (a few million
+parameters: 4 layers of 8 experts, hidden 128, top-2) and ``ep<N>`` is AutoEP
+(``expert_parallel.autoep_size`` N: dropless routing by the model's own router); ``leaf3``
+makes each ``MixtralSparseMoeBlock`` the leaf module. Its all-to-all volume per rank per step,
+on average over the ranks: per layer, the expert counts (E int64s) and four exchanges of the
+(token, expert) rows, ``tokens * 2 * H`` values of 4 bytes each (what a rank sends out in
+forward it receives back in backward, and the same for the way back); a single rank's share
+depends on how many of its tokens the others' experts draw, so the figure is the ranks' mean.
+
 Bytes per step per rank are the sizes of the tensors this rank hands to each collective
 (``comm.add_observer``; a group of one rank moves nothing), by the group they go over. The
 all-to-all's analytic volume per rank per step: per layer, two all-to-alls in forward
@@ -20,6 +29,7 @@ all-to-all's analytic volume per rank per step: per layer, two all-to-alls in fo
 
     python benchmarks/bench_moe.py                      # 4 ranks, CPU, a minute or two
     python benchmarks/bench_moe.py --tiny --world 2     # the smoke run
+    python benchmarks/bench_moe.py --model mixtral      # AutoEP on a Mixtral
 """
 from __future__ import annotations
 
@@ -40,13 +50,18 @@ from bench_parallel import Counter as _GroupCounter  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {"small": dict(hidden=128, experts=8, layers=4, vocab=512),
-          "tiny": dict(hidden=32, experts=4, layers=2, vocab=64)}
+          "tiny": dict(hidden=32, experts=4, layers=2, vocab=64),
+          "mixtral": dict(hidden=128, experts=8, layers=4, vocab=1024, ffn=256, mixtral=1),
+          "mixtral_tiny": dict(hidden=32, experts=4, layers=2, vocab=64, ffn=48, mixtral=1)}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4, help="processes (default 4)")
     p.add_argument("--tiny", action="store_true", help="the tiny model, 2 steps (smoke run)")
+    p.add_argument("--model", choices=["layer", "mixtral"], default="layer",
+                   help="layer: shardtrain.moe.MoE blocks (default); mixtral: transformers' "
+                        "Mixtral with AutoEP")
     p.add_argument("--micro", type=int, default=4, help="sequences per rank (default 4)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per setup (default 8)")
@@ -76,6 +91,17 @@ class Counter(_GroupCounter):
                 tensor.numel() * tensor.element_size()
             return
         super().__call__(op, tensor, group)
+
+
+def build_mixtral(fields: Dict[str, int]) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+    h = fields["hidden"]
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=fields["vocab"], hidden_size=h, intermediate_size=fields["ffn"],
+        num_hidden_layers=fields["layers"], num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=fields["experts"], num_experts_per_tok=2,
+        max_position_embeddings=1024, attn_implementation="sdpa"))
 
 
 def build(fields: Dict[str, int], ep: int) -> torch.nn.Module:
@@ -116,6 +142,8 @@ def build(fields: Dict[str, int], ep: int) -> torch.nn.Module:
 
 def analytic_all_to_all(fields: Dict[str, int], tokens: int) -> int:
     e, h = fields["experts"], fields["hidden"]
+    if fields.get("mixtral"):  # dropless: the rows themselves, and the counts
+        return fields["layers"] * (4 * tokens * 2 * h * 4 + e * 8)
     capacity = math.ceil(2 * tokens / e)
     return fields["layers"] * 4 * e * capacity * h * 4
 
@@ -128,12 +156,18 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
     config = {"train_micro_batch_size_per_gpu": args.micro,
               "zero_optimization": {"stage": setup["stage"]},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    mixtral = bool(fields.get("mixtral"))
     if setup["stage"] == 3:  # every weight partitioned; each MoE layer gathered whole
-        config["zero_optimization"].update(leaf_module={"classes": ["MoE"]},
+        leaf = "MixtralSparseMoeBlock" if mixtral else "MoE"
+        config["zero_optimization"].update(leaf_module={"classes": [leaf]},
                                            stage3_param_persistence_threshold=0)
+    if mixtral and setup["ep"] > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": setup["ep"],
+                                     "preset_model": "mixtral"}
     counter = Counter()
     comm.add_observer(counter, with_group=True)
-    engine, *_ = shardtrain.initialize(model=build(fields, setup["ep"]), config=config)
+    model = build_mixtral(fields) if mixtral else build(fields, setup["ep"])
+    engine, *_ = shardtrain.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(1)
     times, losses = [], []
     for step in range(args.steps + 1):
@@ -141,13 +175,21 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
         mine = rows[rank * args.micro:(rank + 1) * args.micro]
         counter.on = step > 0  # the first step warms up
         start = time.perf_counter()
-        loss = engine(mine[:, :-1], mine[:, 1:])
+        if mixtral:  # the model shifts its labels itself
+            loss = engine(input_ids=mine[:, :-1], labels=mine[:, :-1]).loss
+        else:
+            loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
         engine.step()
         if step > 0:
             times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
     states = engine.model_state_bytes()
+    mean = torch.tensor([float(counter.bytes.get("all_to_all", 0))])
+    comm.all_reduce(mean)  # the ranks' mean: each one's share of the rows differs
+    counter.bytes["all_to_all"] = int(mean.item()) // world
+    if not counter.bytes["all_to_all"]:
+        del counter.bytes["all_to_all"]
     if rank == 0:
         queue.put({"name": name, "times": times, "losses": losses, "states": states,
                    "bytes": {k: v // args.steps for k, v in counter.bytes.items()}})
@@ -157,7 +199,8 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
 
 def report(fields, args, results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     tokens = args.micro * args.seq
-    print(f"\nmodel: {fields['layers']} MoE layers of {fields['experts']} experts, hidden "
+    kind = "Mixtral (AutoEP)" if fields.get("mixtral") else "shardtrain.moe.MoE"
+    print(f"\nmodel: {kind}, {fields['layers']} MoE layers of {fields['experts']} experts, hidden "
           f"{fields['hidden']}; {args.world} ranks x {args.micro} x {args.seq} tokens; "
           f"torch {torch.__version__}")
     base = statistics.median(results[0]["times"])
@@ -177,14 +220,17 @@ def report(fields, args, results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                      "all_to_all": a2a, "analytic": expect, "other": other,
                      "losses": r["losses"]})
     print("  states: this rank's parameters, gradients, masters and optimizer states; "
-          "all-to-all: bytes this rank handed to the expert-parallel all-to-alls per step; "
+          "all-to-all: bytes a rank handed to the expert-parallel all-to-alls per step (the "
+          "ranks' mean); "
           "other: every other collective (gradient reduction, gathers, norms).")
     return rows
 
 
 def main(argv=None):
     args = parse_args(argv)
-    fields = MODELS["tiny" if args.tiny else "small"]
+    name = "small" if args.model == "layer" else "mixtral"
+    fields = MODELS[f"{name}_tiny" if args.tiny and args.model == "mixtral" else
+                    "tiny" if args.tiny else name]
     chosen = setups(args.world)
     if args.setups:
         chosen = {k: v for k, v in chosen.items() if k in args.setups.split(",")}

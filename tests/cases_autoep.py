@@ -244,6 +244,58 @@ def case_checkpoint(saved_with, loads) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
+def case_pretrained(rank: int, world: int) -> Dict[str, Any]:
+    """A Mixtral directory written by ``save_pretrained`` (other weights than the engine's
+    model starts from; transformers writes the Hub's layout, each expert apart under
+    ``block_sparse_moe``), loaded by ``load_pretrained`` into the engine at ZeRO-3 with the
+    experts split: every weight of the unsplit model equals the file's, and each rank read
+    only its own experts' tensors."""
+    from cases_pretrained import recorded_reads
+    from shardtrain.pretrained import load_pretrained
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="autoep-hf-") if rank == 0 else "")
+    torch.manual_seed(1)
+    saved = hf_model("mixtral")
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    if rank == 0:
+        saved.save_pretrained(root)
+    comm.barrier()
+    engine = shardtrain.initialize(model=hf_model("mixtral"),
+                                   config=_config("mixtral", 3, world))[0]
+    with recorded_reads() as reads:
+        result = load_pretrained(engine, root)  # a directory: model.safetensors
+    got = full_state(engine)
+    engine.destroy()
+    want = saved.state_dict()
+    # the same weights stacked, as shardtrain's own files hold them: rows of each tensor
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({n: v.contiguous() for n, v in want.items()}, f"{root}/stacked.safetensors")
+    comm.barrier()
+    engine = shardtrain.initialize(model=hf_model("mixtral"),
+                                   config=_config("mixtral", 2, world))[0]
+    with recorded_reads() as stacked_reads:
+        load_pretrained(engine, f"{root}/stacked.safetensors")
+    stacked = full_state(engine)
+    engine.destroy()
+    read = [n for n in reads if ".experts." in n]  # the Hub's names: one expert each
+    return {"missing": result.missing_keys, "unexpected": result.unexpected_keys,
+            "weights": max((got[n] - w.float()).abs().max().item() for n, w in want.items()),
+            "experts_read": sorted({int(n.split(".experts.")[1].split(".")[0]) for n in read}),
+            "read": sum(reads[n] for n in read),
+            "expert_numel": sum(w.numel() for n, w in want.items() if ".experts." in n),
+            "file_names": sorted(n for n in _saved_names(root) if ".experts.0." in n)[:3],
+            "stacked": max((stacked[n] - w.float()).abs().max().item() for n, w in want.items()),
+            "stacked_read": sum(v for n, v in stacked_reads.items() if ".experts." in n)}
+
+
+def _saved_names(root: str):
+    from safetensors import safe_open
+    with safe_open(f"{root}/model.safetensors", "pt") as f:
+        return list(f.keys())
+
+
 def sp_mixtral() -> torch.nn.Module:
     """Mixtral for the sequence-parallel cases (``cases_parallel``'s vocabulary and batches;
     no router-auxiliary loss: it is a statistic of the tokens each rank sees, and a
@@ -309,7 +361,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                  deepseek_v3_s3=case_engine("deepseek_v3", 3, 2),
                  custom_s2=case_engine("custom", 2, 2),
                  checkpoint=case_checkpoint((2, 2), (("ep2_s1", 2, 1), ("dense_s3", None, 3))),
-                 sp2_ep2_s2=case_sequence_parallel(2, 2),
+                 sp2_ep2_s2=case_sequence_parallel(2, 2), pretrained=case_pretrained,
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)
 

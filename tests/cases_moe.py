@@ -225,6 +225,32 @@ def _against(weights: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]):
             max((weights[n].float() - w).abs().max().item() for n, w in ref.items()))
 
 
+def case_pretrained(rank: int, world: int) -> Dict[str, Any]:
+    """The whole model's weights in a safetensors file (every expert under its global name,
+    other values than the engine's model starts from), loaded by ``load_pretrained`` into an
+    engine with the experts split over the ranks: each local expert gets its global expert's."""
+    from safetensors.torch import save_file
+    from shardtrain.pretrained import load_pretrained
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="moe-hf-") if rank == 0 else "")
+    whole = _model(1)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.add_(1.0)
+    want = {n: v.clone() for n, v in whole.state_dict().items()}
+    if rank == 0:
+        save_file(want, f"{root}/model.safetensors")
+    comm.barrier()
+    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine = shardtrain.initialize(model=_model(world), config=config)[0]
+    loaded = load_pretrained(engine, root)
+    moe = engine.module.moe
+    got = {_global_name(n, moe): v for n, v in engine.module.state_dict().items()}
+    engine.destroy()
+    return {"missing": loaded.missing_keys, "unexpected": loaded.unexpected_keys,
+            "weights": max((v - want[n]).abs().max().item() for n, v in got.items())}
+
+
 def _global_name(name: str, moe: MoE) -> str:
     """A local expert's parameter name under its global expert index."""
     marker = "deepspeed_experts."
@@ -395,7 +421,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
         "top2_sampled_residual": case_layer(k=2, drop_tokens=False, use_residual=True,
                                             noisy_gate_policy="Jitter"),
         "refusals": case_refusals, "checkpoint": case_checkpoint(),
-        "deepspeed_script": case_deepspeed_script}
+        "deepspeed_script": case_deepspeed_script, "pretrained": case_pretrained}
     cases.update({f"engine_s{stage}_ep{ep}": case_engine(stage, ep)
                   for stage, ep in ((2, 1), (0, 2), (1, 2), (2, 2), (3, 2))})
     cases.update(engine_s2_ep2_bf16=case_engine(2, 2, bf16=True),

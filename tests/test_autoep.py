@@ -106,6 +106,25 @@ def test_with_sequence_parallelism(run, run4, world, name):
         assert got["norm_err"] < ATOL and got["moved"] > 1e-3
 
 
+def test_load_pretrained_reads_each_ranks_experts(run):
+    """A Hugging Face Mixtral directory (the Hub's layout: each expert apart,
+    ``block_sparse_moe.experts.<e>.w1/w2/w3``) loaded into the engine (ZeRO-3, 4 experts
+    split over 2 ranks): the unsplit model's weights are the file's, and each rank read its
+    own two experts' tensors alone, half of the experts' values; from a file of stacked
+    experts (ZeRO-2), its experts' rows alone."""
+    for rank in range(2):
+        got = result(run, "pretrained", rank)
+        assert got["file_names"] == ["model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                                     "model.layers.0.block_sparse_moe.experts.0.w2.weight",
+                                     "model.layers.0.block_sparse_moe.experts.0.w3.weight"]
+        assert got["missing"] == [] and got["unexpected"] == []
+        assert got["weights"] == 0.0
+        assert got["experts_read"] == [2 * rank, 2 * rank + 1]
+        assert got["read"] == got["expert_numel"] // 2
+        # the same weights stacked in one tensor each (shardtrain's files): its rows alone
+        assert got["stacked"] == 0.0 and got["stacked_read"] == got["expert_numel"] // 2
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "preset_model 'mixtral' matches no MoE block of LlamaForCausalLM" in got["no_block"]

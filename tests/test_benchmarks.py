@@ -114,13 +114,16 @@ def test_parallel_benchmark_smoke_run(tmp_path):
     assert set(rows[1]["analytic"]) == {"tp"} and set(rows[3]["analytic"]) == {"sp", "zero"}
 
 
-def test_moe_benchmark_smoke_run(tmp_path):
-    """bench_moe.py on the tiny model, 2 ranks: dense, leaf-module ZeRO-3 and ep2 train to the
-    same losses, and ep2's all-to-all moves exactly the analytic volume."""
+@pytest.mark.parametrize("model", ["layer", "mixtral"])
+def test_moe_benchmark_smoke_run(tmp_path, model):
+    """bench_moe.py on the tiny model (the MoE layer; transformers' Mixtral with AutoEP), 2
+    ranks: dense, leaf-module ZeRO-3 and ep2 train to the same losses, and ep2's all-to-all
+    moves exactly the analytic volume."""
     out = tmp_path / "moe.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_moe.py"), "--tiny", "--world", "2",
-         "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+         "--model", model, "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True,
+        text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["setup"] for r in rows] == ["dense", "leaf3", "ep2"]

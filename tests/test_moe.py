@@ -90,6 +90,15 @@ def test_deepspeeds_moe_script_pattern_trains_through_the_alias(run):
         assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
 
 
+def test_load_pretrained_fills_each_ranks_experts(run):
+    """The unsplit model's file (every expert under its global index) loaded into split
+    experts: each rank's experts are the file's experts of the same global index, and the
+    experts other ranks hold are not unexpected."""
+    for rank in range(WORLD):
+        got = result(run, "pretrained", rank)
+        assert got["missing"] == [] and got["unexpected"] == [] and got["weights"] == 0.0
+
+
 def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
     got = result(run, "refusals", 0)
     assert "DeepCompile with expert-parallel MoE layers" in got["deepcompile"]

@@ -8,6 +8,9 @@
 * A tensor-parallel slice (``layout_of(p).tp``, on a mesh): the rank reads the unsplit
   tensor (one tensor at a time), keeps its slice (``SplitSpec.shard`` over the layout's
   ``tp_group``) and writes it as above: whole, or at stage 3 its shard of the slice.
+* This rank's experts of a layer whose experts are stacked along their first dimension and
+  split over ranks (``layout_of(p).expert.stacked``): the rows of those experts; from a
+  checkpoint that holds each expert apart (:mod:`._experts`), those experts' tensors.
 * Everything else (parameters at stages 0-2, the small ones stage 3 keeps whole, buffers, a
   plain model): the rank keeps the whole tensor and reads it whole. It is written in place,
   so an optimizer that holds the parameter or a view of it (fp32 at stages 0-2) sees the new
@@ -39,13 +42,24 @@ def covering_rows(lo: int, hi: int, shape: Tuple[int, ...]) -> Tuple[int, int, i
 def load_target(target: Target, files: WeightFiles) -> None:
     """Reads what this rank keeps of ``target`` and writes it there."""
     layout = layout_of(target.tensor)
-    if layout.tp is not None:
+    split = layout.expert
+    stacked = split is not None and split.stacked
+    first, count = (split.ep_rank * split.num_local, split.num_local) if stacked else \
+        (0, layout.full_shape[0] if target.parts else 0)
+    if target.parts is not None:  # each expert apart in the file: this rank's ones, joined
+        rows = torch.stack([torch.cat([files.read(n) for n in target.parts[e]])
+                            for e in range(first, first + count)])
+        values.write_whole(target.tensor, rows)
+    elif stacked:  # this rank's experts: rows of the stacked tensor
+        rows = files.read(target.source, (first, first + count))
+        values.write_whole(target.tensor, rows.view(target.tensor.shape))
+    elif layout.tp is not None:
         _load_slice(target.tensor, files.read(target.source).view(target.full_shape))
     elif is_partitioned(target.tensor):
         _load_shard(target.tensor, target.source, files)
     else:
-        values = files.read(target.source)
-        target.tensor.copy_(values.view(target.tensor.shape))
+        whole = files.read(target.source)
+        target.tensor.copy_(whole.view(target.tensor.shape))
 
 
 def _load_slice(p: torch.nn.Parameter, full: torch.Tensor) -> None:
