@@ -16,6 +16,7 @@ from shardtrain import comm
 from shardtrain.layout import layout_of
 
 B, T, V, STEPS = 2, 8, 64, 3
+EPS_TP = 1e-6
 _SMALL = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, output_router_logits=True,
               router_aux_loss_coef=0.02)
@@ -131,9 +132,12 @@ def _batches(world: int):
 
 
 def _train(engine, data, rank: int, world: int, steps: int = STEPS):
+    """``steps`` steps on this rank's micro-batch of each global batch (the rows of its
+    data-parallel replica: the ranks of a tensor-parallel group read the same)."""
     losses, norms = [], []
+    replica = engine.mesh.coordinate()["dp"]
     for x in data[:steps]:
-        mine = x[rank * B:(rank + 1) * B]
+        mine = x[replica * B:(replica + 1) * B]
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
@@ -144,12 +148,12 @@ def _train(engine, data, rank: int, world: int, steps: int = STEPS):
     return losses, norms
 
 
-def one_process(family: str, data, world: int):
+def one_process(family: str, data, world: int, eps: float = 1e-8):
     """The reference: the whole model in this process, each step's gradient the mean of each
     rank's micro-batch loss's (the router-auxiliary loss is a statistic of the tokens it
     sees), clipped at 1.0, AdamW as configured."""
     model = hf_model(family)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, eps=eps)
     losses, norms = [], []
     for x in data:
         total = 0.0
@@ -212,29 +216,43 @@ def case_engine(family: str, stage: int, ep: int, bf16: bool = False
     return case
 
 
-def case_checkpoint(saved_with, loads) -> Callable[[int, int], Dict[str, Any]]:
-    """Mixtral trained two steps with ``saved_with`` (autoep_size, stage) and saved; resumed
-    by an engine of each of ``loads`` (name, autoep_size or None, stage) for the third step;
-    the checkpoint consolidated into the one-process model's weights."""
+def _mesh_config(ep: Optional[int], stage: int, tp: int = 1) -> Dict[str, Any]:
+    config = _config("mixtral", stage, ep)
+    if tp > 1:  # AutoTP's Mixtral rules: attention, and each expert's ffn dimension
+        config["tensor_parallel"] = {"autotp_size": tp}
+        # a split layer sums in another order; Adam's default eps would turn a last-bit
+        # difference of a gradient near it into a visible update (cases_parallel's note)
+        config["optimizer"]["params"]["eps"] = EPS_TP
+    return config
+
+
+def case_checkpoint(saved_with, loads, tp: int = 1) -> Callable[[int, int], Dict[str, Any]]:
+    """Mixtral trained two steps with ``saved_with`` (autoep_size, stage; ``tp`` the
+    tensor-parallel size of every engine here) and saved; resumed by an engine of each of
+    ``loads`` (name, autoep_size or None, stage) for the third step; the checkpoint
+    consolidated into the one-process model's weights."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         from shardtrain.checkpoint import full_weights
-        data = _batches(world)
+        data, replicas = _batches(world), world // tp
         root = comm.broadcast_object(tempfile.mkdtemp(prefix="autoep-") if rank == 0 else "")
         ep, stage = saved_with
         engine = shardtrain.initialize(model=hf_model("mixtral"),
-                                       config=_config("mixtral", stage, ep))[0]
-        out: Dict[str, Any] = {"first": _train(engine, data, rank, world, 2)[0]}
+                                       config=_mesh_config(ep, stage, tp))[0]
+        out: Dict[str, Any] = {"first": _train(engine, data, rank, world, 2)[0],
+                               "local": {n: list(p.shape) for n, p in
+                                         engine.module.named_parameters() if "experts" in n}}
         engine.save_checkpoint(root, tag="two")
         engine.save_16bit_model(root, "model.safetensors")  # the experts joined
         engine.destroy()
         for name, ep, stage in loads:
             resumed = shardtrain.initialize(model=hf_model("mixtral"),
-                                            config=_config("mixtral", stage, ep))[0]
+                                            config=_mesh_config(ep, stage, tp))[0]
             resumed.load_checkpoint(root, tag="two")
             out[name] = _train(resumed, data[2:], rank, world, 1)[0][0]
             resumed.destroy()
-        out["ref_losses"], _, _ = one_process("mixtral", data, world)
-        _, _, ref = one_process("mixtral", data[:2], world)
+        eps = EPS_TP if tp > 1 else 1e-8
+        out["ref_losses"], _, _ = one_process("mixtral", data, replicas, eps)
+        _, _, ref = one_process("mixtral", data[:2], replicas, eps)
         from safetensors.torch import load_file
         for key, weights in (("weights", full_weights(root, tag="two")),
                              ("16bit", load_file(f"{root}/model.safetensors"))):
@@ -320,6 +338,17 @@ def case_sequence_parallel(stage: int, ep: int) -> Callable[[int, int], Dict[str
     return case
 
 
+def case_tensor_parallel(stage: int) -> Callable[[int, int], Dict[str, Any]]:
+    """tp 2 x dp 2 with AutoTP (attention, and each expert's ffn dimension) and AutoEP (ep 2
+    over the data-parallel ranks), against one process (``cases_parallel``)."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        from cases_parallel import compare, config
+        block = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}
+        return compare(sp_mixtral, config(stage, tensor_parallel={"autotp_size": 2},
+                                          expert_parallel=block))
+    return case
+
+
 def case_refusals(rank: int, world: int) -> Dict[str, str]:
     """Each mistake's message (the engine is never built)."""
     import transformers as tf
@@ -372,5 +401,10 @@ def four_ranks(rank: int, world_size: int) -> Dict[str, Any]:
              "ep4_s1": case_engine("mixtral", 1, 4),
              "dp2xsp2_ep4_s3": case_sequence_parallel(3, 4),
              # ep 2 x expert-data-parallel 2, resumed with each expert on one rank, and dense
-             "checkpoint": case_checkpoint((2, 2), (("ep4_s2", 4, 2), ("dense_s0", None, 0)))}
+             "checkpoint": case_checkpoint((2, 2), (("ep4_s2", 4, 2), ("dense_s0", None, 0))),
+             # tp 2 x dp 2: AutoTP slices each expert's ffn dimension, AutoEP splits the
+             # experts over the data-parallel ranks of each tensor-parallel coordinate
+             "tp2_checkpoint": case_checkpoint(
+                 (2, 2), (("tp2_ep2_s3", 2, 3), ("tp2_dense_s1", None, 1)), tp=2)}
+    cases.update({f"tp2_ep2_s{stage}": case_tensor_parallel(stage) for stage in (0, 3)})
     return run_cases(cases, rank, world_size)

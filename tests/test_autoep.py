@@ -125,6 +125,30 @@ def test_load_pretrained_reads_each_ranks_experts(run):
         assert got["stacked"] == 0.0 and got["stacked_read"] == got["expert_numel"] // 2
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_with_autotp(run4, stage):
+    """tp 2 x dp 2, ep 2: AutoTP splits attention and each expert's ffn dimension, AutoEP the
+    experts over the ranks that see other tokens: one process's losses, norm and weights."""
+    for rank in range(4):
+        got = result(run4, f"tp2_ep2_s{stage}", rank)
+        assert got["loss_err"] < ATOL and got["weight_err"] < ATOL, got
+        assert got["norm_err"] < ATOL and got["moved"] > 1e-3
+
+
+def test_checkpoints_with_autotp_describe_the_unsplit_model(run4):
+    """Saved with tp 2 x ep 2 (each rank: 2 of the 4 experts, half of each one's ffn rows):
+    resumed with the same split at ZeRO-3 and with AutoTP alone, and consolidated into the
+    one-process weights."""
+    for rank in range(4):
+        got = result(run4, "tp2_checkpoint", rank)
+        assert got["local"]["model.layers.0.mlp.experts.gate_up_proj"] == [2, 48, 32]
+        assert got["first"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
+        for name in ("tp2_ep2_s3", "tp2_dense_s1"):
+            assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
+        for key in ("weights", "16bit"):
+            assert got[key][0] and got[key][1] < ATOL, key
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "preset_model 'mixtral' matches no MoE block of LlamaForCausalLM" in got["no_block"]

@@ -95,14 +95,14 @@ def _joined(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     tensor as it is."""
     layout = layout_of(param)
     spec = layout.tp
+    if spec is not None:
+        group = layout.tp_group
+        flat = torch.empty(group.size() * value.numel(), dtype=value.dtype, device=value.device)
+        comm.all_gather(flat, value.contiguous().view(-1), group=group)
+        value = spec.join(list(flat.view(group.size(), *value.shape).unbind(0)))
     if layout.expert is not None and layout.expert.stacked:  # every rank's experts, in order
         return torch.cat(_over_experts(value, param))
-    if spec is None:
-        return value
-    group = layout.tp_group
-    flat = torch.empty(group.size() * value.numel(), dtype=value.dtype, device=value.device)
-    comm.all_gather(flat, value.contiguous().view(-1), group=group)
-    return spec.join(list(flat.view(group.size(), *value.shape).unbind(0)))
+    return value
 
 
 def _full_shape(t: torch.Tensor) -> List[int]:

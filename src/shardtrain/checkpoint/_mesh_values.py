@@ -14,6 +14,7 @@ even shard of it; loading reads the unsplit tensor and keeps this rank's slice.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -35,18 +36,18 @@ def unsplit(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     stacked experts: every rank of it calls)."""
     layout = layout_of(p)
     spec = layout.tp
+    if spec is not None:
+        group: comm.Group = layout.tp_group
+        shape = list(layout.local_shape)
+        flat = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
+        comm.all_gather(flat, local.contiguous().view(-1), group=group)
+        local = spec.join(list(flat.view(group.size(), *shape).unbind(0))).reshape(-1)
     if _stacked(p):  # each rank's experts follow the previous rank's along the first dim
         ep: comm.Group = layout.expert_groups[0]
         flat = torch.empty(ep.size() * local.numel(), dtype=local.dtype, device=local.device)
         comm.all_gather(flat, local.contiguous().view(-1), group=ep)
         return flat
-    if spec is None:
-        return local
-    group: comm.Group = layout.tp_group
-    shape = list(layout.local_shape)
-    flat = torch.empty(group.size() * local.numel(), dtype=local.dtype, device=local.device)
-    comm.all_gather(flat, local.contiguous().view(-1), group=group)
-    return spec.join(list(flat.view(group.size(), *shape).unbind(0))).reshape(-1)
+    return local
 
 
 def over_experts(full: torch.Tensor, p: torch.Tensor) -> List[torch.Tensor]:
@@ -65,13 +66,16 @@ def local_of(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's local flattened tensor, from the unsplit flattened one."""
     layout = layout_of(p)
     spec = layout.tp
-    if _stacked(p):
-        n, rank = layout.local_numel, layout.expert.ep_rank
-        return full[rank * n:(rank + 1) * n]
+    if _stacked(p):  # this rank's experts: rows of the stacked tensor
+        n = math.prod(layout.full_shape) // layout.expert.ep_size
+        full = full[layout.expert.ep_rank * n:(layout.expert.ep_rank + 1) * n]
     if spec is None:
         return full
     group: comm.Group = layout.tp_group
-    whole = full.view(layout.full_shape)
+    shape = list(layout.full_shape)
+    if _stacked(p):
+        shape[0] = layout.expert.num_local
+    whole = full.view(shape)
     return spec.shard(whole, group.rank(), group.size()).reshape(-1)
 
 
@@ -118,7 +122,7 @@ def state_keys(parts, trainables: Dict[str, Trainable]) -> Dict[str, Dict[str, t
 def read_local(reader, key: str, entry: Dict, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of this rank's local flattened tensor ``key``: a range of the
     saved tensor, or (for a tensor-parallel split parameter) this rank's slice of the whole of it."""
-    if _stacked(p):  # this rank's experts are one range of the saved tensor
+    if _stacked(p) and layout_of(p).tp is None:  # this rank's experts: one range of it
         start = layout_of(p).expert.ep_rank * layout_of(p).local_numel
         return reader.read(key, entry, start + lo, start + hi)
     if layout_of(p).tp is None:

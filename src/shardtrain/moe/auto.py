@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..layout import ExpertSplit, place
+from ..layout import ExpertSplit, layout_of, place
 from ._auto_config import PRESETS, AutoEPConfig, Preset, parse_block
 from ._groups import ExpertGroups, expert_groups
 
@@ -59,14 +59,21 @@ class SplitExperts(torch.nn.Module):
         first = groups.ep_rank * self.num_local
         split = ExpertSplit(None, self.num_local, groups.ep_size, groups.ep_rank)
         for name in filter(None, self.names):
-            whole = getattr(experts, name)
+            whole = getattr(experts, name)  # with AutoTP: this rank's slice of each expert
             mine = torch.nn.Parameter(whole.detach()[first:first + self.num_local].clone(),
                                       requires_grad=whole.requires_grad)
             # DeepSpeed's marks of an expert parameter (its ZeRO groups and optimizer groups)
             mine.allreduce, mine.group_name = False, groups.name
-            place(mine, expert=split, expert_groups=(groups.ep, groups.edp))
+            tp = layout_of(whole)
+            place(mine, local_shape=mine.shape, tp=tp.tp, tp_group=tp.tp_group, expert=split,
+                  expert_groups=(groups.ep, groups.edp))
             self.register_parameter(name, mine)
         self.act_fn = getattr(experts, "act_fn", None) or F.silu
+        # AutoTP's entry into and exit from the tensor-parallel group, when it split them
+        self._forward_pre_hooks.update(experts._forward_pre_hooks)
+        self._forward_pre_hooks_with_kwargs.update(experts._forward_pre_hooks_with_kwargs)
+        self._forward_hooks.update(experts._forward_hooks)
+        self._forward_hooks_with_kwargs.update(experts._forward_hooks_with_kwargs)
 
     def extra_repr(self) -> str:
         return (f"experts {self.groups.ep_rank * self.num_local}.."
@@ -223,11 +230,6 @@ def auto_ep(model: torch.nn.Module, block: Dict[str, Any], mesh: Optional[comm.M
     config = parse_block(block)
     if not config.enabled:
         return None
-    if mesh is not None and mesh.size("tp") > 1:
-        raise NotImplementedError(
-            f"expert_parallel (AutoEP) with tensor parallelism (autotp_size "
-            f"{mesh.size('tp')}) is not provided: set one of them to 1, or build the model "
-            "with shardtrain.moe.MoE layers (which compose with AutoTP).")
     blocks = _blocks(model, config)
     groups = expert_groups(config.autoep_size, mesh)
     for b in blocks:

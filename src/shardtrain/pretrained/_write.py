@@ -49,10 +49,9 @@ def load_target(target: Target, files: WeightFiles) -> None:
     if target.parts is not None:  # each expert apart in the file: this rank's ones, joined
         rows = torch.stack([torch.cat([files.read(n) for n in target.parts[e]])
                             for e in range(first, first + count)])
-        values.write_whole(target.tensor, rows)
+        _write_rows(target.tensor, rows)
     elif stacked:  # this rank's experts: rows of the stacked tensor
-        rows = files.read(target.source, (first, first + count))
-        values.write_whole(target.tensor, rows.view(target.tensor.shape))
+        _write_rows(target.tensor, files.read(target.source, (first, first + count)))
     elif layout.tp is not None:
         _load_slice(target.tensor, files.read(target.source).view(target.full_shape))
     elif is_partitioned(target.tensor):
@@ -60,6 +59,15 @@ def load_target(target: Target, files: WeightFiles) -> None:
     else:
         whole = files.read(target.source)
         target.tensor.copy_(whole.view(target.tensor.shape))
+
+
+def _write_rows(p: torch.nn.Parameter, rows: torch.Tensor) -> None:
+    """The rows of this rank's experts (whole along their other dimensions): its
+    tensor-parallel slice of them when AutoTP split the experts too."""
+    layout = layout_of(p)
+    if layout.tp is not None:
+        rows = layout.tp.shard(rows, layout.tp_group.rank(), layout.tp_group.size())
+    values.write_whole(p, rows)
 
 
 def _load_slice(p: torch.nn.Parameter, full: torch.Tensor) -> None:

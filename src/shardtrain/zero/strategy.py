@@ -396,11 +396,12 @@ def build_with_experts(module: torch.nn.Module, params: List[torch.nn.Parameter]
     size). At stage 3 the experts are not partitioned (each rank holds its own whole, already
     a share of the layer) and their gradients and optimizer states are sharded as at stage 2.
     With tensor parallelism (``tp``) the dense parameters' slices are as without experts; the
-    experts are whole on each rank of a tensor-parallel group (which sees the same tokens)."""
+    experts are whole on each rank of a tensor-parallel group (which sees the same tokens),
+    or AutoTP's slices of them (their squares then add up over ``tp`` in the norm)."""
     dense = build_strategy(module, params, zero, settings, group, tp, master_dtype,
                            keep_whole=experts)
     expert_zero = zero.model_copy(update={"stage": 2}) if zero.stage == 3 else zero
-    return WithExperts(dense, build_strategy(module, experts, expert_zero, settings, edp, None,
+    return WithExperts(dense, build_strategy(module, experts, expert_zero, settings, edp, tp,
                                              master_dtype), ep)
 
 
