@@ -186,8 +186,9 @@ def full_state(engine) -> Dict[str, torch.Tensor]:
     return out
 
 
-def case_engine(family: str, stage: int, ep: int, bf16: bool = False
+def case_engine(family: str, stage: int, ep: Optional[int], bf16: bool = False
                 ) -> Callable[[int, int], Dict[str, Any]]:
+    """The engine (``ep`` None: no expert_parallel block) against one process."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         data = _batches(world)
         engine, *_ = shardtrain.initialize(model=hf_model(family),
@@ -199,14 +200,7 @@ def case_engine(family: str, stage: int, ep: int, bf16: bool = False
                                 if layout_of(p).expert is not None),
                  "bytes": engine.model_state_bytes()["total"]}
         got = full_state(engine)
-        mpu = engine.mpu
-        groups = {"ep": (mpu.get_expert_model_parallel_world_size(),
-                         mpu.get_expert_model_parallel_rank()),
-                  "edp": (mpu.get_expert_data_parallel_world_size(),
-                          mpu.get_expert_data_parallel_rank()),
-                  "ep_ranks": torch.distributed.get_process_group_ranks(
-                      mpu.get_expert_model_parallel_group())
-                  if mpu.get_expert_model_parallel_world_size() < world else "world"}
+        groups = _mpu_answers(engine.mpu, world)
         engine.destroy()
         ref_losses, ref_norms, ref = one_process(family, data, world)
         return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
@@ -224,6 +218,18 @@ def _mesh_config(ep: Optional[int], stage: int, tp: int = 1) -> Dict[str, Any]:
         # difference of a gradient near it into a visible update (cases_parallel's note)
         config["optimizer"]["params"]["eps"] = EPS_TP
     return config
+
+
+def _mpu_answers(mpu, world: int) -> Optional[Dict[str, Any]]:
+    """engine.mpu's expert lookups (None: no mpu, without model or expert parallelism)."""
+    if mpu is None:
+        return None
+    ep = mpu.get_expert_model_parallel_world_size()
+    return {"ep": (ep, mpu.get_expert_model_parallel_rank()),
+            "edp": (mpu.get_expert_data_parallel_world_size(),
+                    mpu.get_expert_data_parallel_rank()),
+            "ep_ranks": "world" if ep == world else
+            torch.distributed.get_process_group_ranks(mpu.get_expert_model_parallel_group())}
 
 
 def case_checkpoint(saved_with, loads, tp: int = 1) -> Callable[[int, int], Dict[str, Any]]:
@@ -391,6 +397,8 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                  custom_s2=case_engine("custom", 2, 2),
                  checkpoint=case_checkpoint((2, 2), (("ep2_s1", 2, 1), ("dense_s3", None, 3))),
                  sp2_ep2_s2=case_sequence_parallel(2, 2), pretrained=case_pretrained,
+                 bf16_ep2=case_engine("mixtral", 2, 2, bf16=True),
+                 bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)
 

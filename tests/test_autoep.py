@@ -38,6 +38,15 @@ def test_autoep_trains_as_the_unsplit_model_in_one_process(run, name):
         _same_training(result(run, name, rank))
 
 
+def test_bf16_with_split_experts_trains_as_with_whole_ones(run):
+    """bf16 (fp32 masters) at ZeRO-2: the experts split over 2 ranks give the losses of the
+    same engine without AutoEP (bf16's rounding: 1e-2), and both stay near fp32's."""
+    for rank in range(2):
+        split, whole = result(run, "bf16_ep2", rank), result(run, "bf16_dense", rank)
+        assert split["losses"] == pytest.approx(whole["losses"], abs=1e-2)
+        assert split["losses"] == pytest.approx(split["ref_losses"], abs=5e-2)
+
+
 def test_engine_mpu_answers_for_the_expert_groups(run, run4):
     """engine.mpu's expert lookups (Megatron's names): ep 2 on 2 ranks is the world; on 4,
     ranks [0, 1] and [2, 3] hold other experts, [0, 2] and [1, 3] the same ones; ep 4 is

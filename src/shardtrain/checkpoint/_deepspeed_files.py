@@ -31,7 +31,7 @@ import re
 import types
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +70,7 @@ STAND_INS: Dict[str, Any] = {
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _ZERO_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")
+_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
 _NOT_DEEPSPEED = ("pass the directory given to DeepSpeed's save_checkpoint (it holds 'latest') "
                   "or one of its tag directories")
 
@@ -83,6 +84,8 @@ class DeepSpeedFiles:
     universal: bool
     model_states: List[str]          # rank order (one file below stage 3)
     optim_states: List[str] = field(default_factory=list)  # rank order
+    # a mixture of experts' weights, one file per expert: by (MoE layer, global expert index)
+    experts: Dict[Tuple[int, int], str] = field(default_factory=dict)
 
 
 def locate(ckpt_dir: str, tag: Optional[str]) -> DeepSpeedFiles:
@@ -160,7 +163,9 @@ def _files(tag_dir: str, tag: str) -> DeepSpeedFiles:
     model = [os.path.join(tag_dir, MODEL_STATES)] if MODEL_STATES in names \
         else _rank_order(zero.get("model", {}), tag_dir, "model")
     optim = [] if universal else _rank_order(zero.get("optim", {}), tag_dir, "optim")
-    return DeepSpeedFiles(tag_dir, tag, universal, model, optim)
+    experts = {(int(m.group(1)), int(m.group(2))): os.path.join(tag_dir, name)
+               for name in names for m in [_EXPERT_FILE.fullmatch(name)] if m}
+    return DeepSpeedFiles(tag_dir, tag, universal, model, optim, experts)
 
 
 def _unsupported(name: str) -> Optional[str]:
@@ -168,10 +173,14 @@ def _unsupported(name: str) -> Optional[str]:
     mp = re.search(r"mp_rank_(\d+)", name)
     if mp is not None and int(mp.group(1)) != 0:
         return "tensor-parallel (model-parallel rank files other than mp_rank_00)"
+    if _EXPERT_FILE.fullmatch(name):
+        return None  # a mixture of experts' weights, read beside a ZeRO 1-2 checkpoint
     if name.startswith("layer_"):
         return "pipeline-parallel (layer_* files)"
-    if "expert" in name or name.startswith("expp_rank_"):
-        return "mixture-of-experts (expert files)"
+    if name.startswith("expp_rank_"):
+        return "ZeRO stage 0 mixture-of-experts (expp_rank_* optimizer files; stages 1-2 convert)"
+    if "expert" in name:
+        return "mixture-of-experts (unknown expert files)"
     return None
 
 

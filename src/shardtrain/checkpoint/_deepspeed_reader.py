@@ -60,13 +60,17 @@ def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool 
     if frozen:
         raise ValueError(f"{files.tag_dir}: frozen= (--frozen) is for stage-0 checkpoints, whose "
                          "optimizer does not name its parameters; this one names them: drop it.")
+    if files.experts and (files.universal or not files.optim_states):
+        raise NotImplementedError(f"{files.tag_dir}: a mixture-of-experts checkpoint "
+                                  "converts from ZeRO stages 1-2 (DeepSpeed's MoE stages); "
+                                  "this one is universal or of another stage.")
     if files.universal:
         return _universal(files, model, load)
     _check_world(files, model)
     optims = [_optim_states(path, load) for path in files.optim_states]
     if FP32_FLAT_GROUPS in optims[0]:
         return _stage3(files, model, optims, load)
-    return _stage12(files, model, optims)
+    return _stage12(files, model, optims, load)
 
 
 # -- the files every layout has -----------------------------------------------------------------
@@ -116,15 +120,22 @@ def _shapes(model: Dict[str, Any], path: str) -> List[List[Tuple[str, List[int]]
 # -- stages 1 and 2 -----------------------------------------------------------------------------
 
 def _stage12(files: DeepSpeedFiles, model: Dict[str, Any],
-             optims: List[Dict[str, Any]]) -> DeepSpeedState:
+             optims: List[Dict[str, Any]], load: Load) -> DeepSpeedState:
     stage = int(optims[0].get(ZERO_STAGE, 1))
     state = base_state(files, model, f"ZeRO stage {stage}", stage, len(optims))
     shapes = _shapes(model, files.model_states[0])
-    for g, params in enumerate(shapes):
-        _read_group12(state, files, optims, g, params, model["module"])
-    whole_frozen(state, model["module"])
     base = optims[0][BASE_OPTIMIZER_STATE]
     saved_groups = base["param_groups"] if isinstance(base, dict) else [{}] * len(shapes)
+    experts = _expert_weights(files, load)
+    for g, params in enumerate(shapes):
+        if g < len(saved_groups) and saved_groups[g].get("moe"):
+            _read_experts12(state, files, optims, g, params, experts)
+        else:
+            _read_group12(state, files, optims, g, params, model["module"])
+    if files.experts and not any(group.get("moe") for group in saved_groups):
+        raise ValueError(f"{files.tag_dir} holds expert files but no optimizer group of "
+                         "experts ('moe': true): the checkpoint is damaged.")
+    whole_frozen(state, model["module"])
     state.groups = hyperparameters(saved_groups)  # the elastic form keeps none
     state.loss_scaler = scaler_state(optims[0].get(LOSS_SCALER), optims[0].get(
         "dynamic_loss_scale"), state.counters["global_steps"])
@@ -152,6 +163,57 @@ def _read_group12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dic
         state.params[name] = TrainedParam(
             shape, masters.slice(off, off + n), weight if whole(weight, n) else None,
             {k: v.slice(off, off + n) for k, v in states.items()}, dict(scalars), g)
+
+
+def _expert_weights(files: DeepSpeedFiles, load: Load) -> Dict[str, torch.Tensor]:
+    """The experts' module weights, from the expert files (named by global expert index)."""
+    out: Dict[str, torch.Tensor] = {}
+    for path in files.experts.values():
+        saved = load(path)
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} is not a DeepSpeed expert file (no state dict).")
+        out.update(saved)
+    return out
+
+
+def _read_experts12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dict[str, Any]],
+                    g: int, params: List[Tuple[str, List[int]]],
+                    weights: Dict[str, torch.Tensor]) -> None:
+    """One flat group of experts. DeepSpeed's expert-parallel groups are adjacent ranks
+    (``ep_size`` of them), each holding other experts under the same local names (those
+    ``param_shapes`` lists, rank 0's); the ranks ``e, e + ep_size, ...`` hold the same experts
+    and their flat group is cut over them (``partition_count``). Each expert-parallel rank's
+    experts are read as a group of their own and named by their global index."""
+    world = len(optims)
+    edp = int((optims[0].get(PARTITION_COUNT) or [1] * (g + 1))[g])
+    if edp < 1 or world % edp:
+        raise ValueError(f"{files.tag_dir}: expert group {g} is partitioned over {edp} of "
+                         f"{world} ranks: the checkpoint is damaged.")
+    ep = world // edp
+    local = sorted({_local_expert(n) for n, _ in params})
+    for e in range(ep):
+        ranks = [e + ep * j for j in range(edp)]
+        named = [(_global_expert(n, e * len(local)), shape) for n, shape in params]
+        _read_group12(state, files, [optims[r] for r in ranks], g, named, weights)
+
+
+_MARKER = "deepspeed_experts."
+
+
+def _local_expert(name: str) -> int:
+    head, sep, tail = name.rpartition(_MARKER)
+    if not sep:
+        raise NotImplementedError(f"{name}: an expert parameter outside DeepSpeed's MoE layer "
+                                  f"(no '{_MARKER}' in its name) is not supported.")
+    return int(tail.split(".", 1)[0])
+
+
+def _global_expert(name: str, first: int) -> str:
+    """``name`` (a local expert's) with the global index of an expert-parallel rank whose
+    first expert is ``first``."""
+    head, _, tail = name.rpartition(_MARKER)
+    local, _, rest = tail.partition(".")
+    return f"{head}{_MARKER}{first + int(local)}.{rest}"
 
 
 def _group_state(osd: Dict[str, Any], g: int) -> Dict[str, Any]:

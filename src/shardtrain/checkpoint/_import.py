@@ -53,7 +53,8 @@ def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
     """Converts a DeepSpeed checkpoint into a shardtrain checkpoint.
 
     Reads a checkpoint that DeepSpeed 0.19 saved with ``engine.save_checkpoint`` at ZeRO stage
-    0, 1, 2 or 3 (fp32, bf16 or fp16; any data-parallel world size), or its universal form
+    0, 1, 2 or 3 (fp32, bf16 or fp16; any data-parallel world size; at stages 1-2 with the
+    experts of its MoE layers split over expert-parallel ranks), or its universal form
     (``ds_to_universal``), and writes ``<out_dir>/<tag>/`` and ``<out_dir>/latest``.
     ``engine.load_checkpoint(out_dir)`` then resumes it on any world size and stage: the
     weights, the fp32 masters, the optimizer's states and hyperparameters, the counters

@@ -23,8 +23,9 @@ def add_parser(commands) -> None:
         "import-deepspeed", help="convert a DeepSpeed checkpoint into a shardtrain checkpoint",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Reads a checkpoint that DeepSpeed 0.19 saved (ZeRO stage 0-3, fp32/bf16/"
-                    "fp16, any data-parallel world size, or its universal form) in this one CPU "
-                    "process, without DeepSpeed, and writes it as a shardtrain checkpoint.",
+                    "fp16, any data-parallel world size, or its universal form; its MoE "
+                    "layers' experts at stages 1-2) in this one CPU process, without "
+                    "DeepSpeed, and writes it as a shardtrain checkpoint.",
         epilog=_EXAMPLES)
     sub.add_argument("ckpt_dir", metavar="CKPT_DIR",
                      help="the directory given to DeepSpeed's save_checkpoint (or a tag directory)")
