@@ -68,3 +68,15 @@ def moe(hidden: int = 1024, experts: int = 8, layers: int = 8, vocab: int = 3200
     return torch.nn.ModuleDict({"embed": torch.nn.Embedding(vocab, hidden),
                                 "blocks": torch.nn.ModuleList(blocks),
                                 "head": torch.nn.Linear(hidden, vocab, bias=False)})
+
+
+def mixtral(hidden: int = 4096, ffn: int = 14336, experts: int = 8, layers: int = 32,
+            vocab: int = 32000, heads: int = 32, kv_heads: int = 8) -> Any:
+    """transformers' ``MixtralForCausalLM`` (Mixtral-8x7B's shape by default), whose experts
+    AutoEP splits, e.g. ``shardtrain estimate --model examples/models.py:mixtral --nproc 8
+    --expert-parallel 8`` (or ``--config`` with an ``expert_parallel`` block)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
+        num_experts_per_tok=2))

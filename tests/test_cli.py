@@ -712,6 +712,32 @@ def test_estimate_splits_the_experts_of_moe_layers(capsys, how):
         assert row["total"] == pytest.approx(want, abs=2)
 
 
+MIXTRAL_KW = ('{"hidden": 16, "ffn": 32, "experts": 4, "layers": 2, "vocab": 64, "heads": 2, '
+              '"kv_heads": 1}')
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_estimate_splits_the_experts_autoep_splits(capsys, tmp_path, how):
+    """A Hugging Face Mixtral (examples/models.py:mixtral): AutoEP's split of its stacked
+    experts, from --expert-parallel 4 or the config's expert_parallel block; each rank holds
+    a quarter of them, their states shard over the 2 ranks holding the same ones."""
+    experts = 2 * (4 * 2 * 32 * 16 + 4 * 16 * 32)  # gate_up_proj and down_proj, per layer
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 4,
+                                                      "preset_model": "mixtral"}}))
+    how_args = ["--expert-parallel", "4"] if how == "flag" else ["--config", str(config)]
+    report = estimate(capsys, "--model", f"{MODELS}:mixtral", "--model-kwargs", MIXTRAL_KW,
+                      "--nproc", "8", "--dtype", "fp32", "--persistence-threshold", "0",
+                      *how_args)
+    dense = report["parameters"] - experts
+    assert report["mesh"]["expert_parallel"] == 4 and report["mesh"]["expert_shards"] == 2
+    assert report["mesh"]["parameters_per_rank"] == dense + experts // 4
+    for row in report["stages"]:
+        want = zero_formula_bytes(dense, 8, row["stage"], 4, 4, 8) + \
+            zero_formula_bytes(experts // 4, 2, min(row["stage"], 2), 4, 4, 8)
+        assert row["total"] == pytest.approx(want, abs=2)
+
+
 def test_estimate_refuses_an_expert_split_that_does_not_fit(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--model", f"{MODELS}:moe", "--model-kwargs", MOE_KW, "--nproc", "8",

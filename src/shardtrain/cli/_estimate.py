@@ -85,10 +85,12 @@ def add_parser(commands) -> None:
                           "config's, or 1)")
     est.add_argument("--expert-parallel", type=_positive_int, metavar="E",
                      help="ranks the experts of MoE layers built whole are split over "
-                          "(default: the ep_size the layers were built with)")
+                          "(default: the ep_size the layers were built with), or of a Hugging "
+                          "Face model's MoE blocks (AutoEP, by the preset of its model_type)")
     est.add_argument("--config", metavar="JSON_FILE",
-                     help="a DeepSpeed-style config: its tensor_parallel block (rules and size) "
-                          "and sequence_parallel_size describe the mesh; data_types.grad_accum_dtype "
+                     help="a DeepSpeed-style config: its tensor_parallel block (rules and size), "
+                          "sequence_parallel_size and expert_parallel block (AutoEP) describe the "
+                          "mesh; data_types.grad_accum_dtype "
                           "and bf16's bf16_master_weights_and_grads the bytes per parameter")
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(handler=_cmd_estimate, subparser=est)
@@ -112,7 +114,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     model = build_on_meta(args.model, args.model_kwargs)
     local = _local_numels(model, mesh)
     params = [p for _, p in model.named_parameters()]  # a shared (tied) parameter once
-    experts = _Experts.of(model, args.expert_parallel, mesh.zero)
+    experts = _Experts.of(model, args.expert_parallel, mesh.zero, config.get("expert_parallel"))
     dense = [p for p in params if id(p) not in experts.ids]
     counts = _ParamCounts(
         total=sum(p.numel() for p in dense) + experts.total,
@@ -159,15 +161,13 @@ class _Experts:
     shards: int = 1
 
     @classmethod
-    def of(cls, model: torch.nn.Module, split: Optional[int], zero: int) -> "_Experts":
+    def of(cls, model: torch.nn.Module, split: Optional[int], zero: int,
+           auto: Optional[Dict[str, Any]] = None) -> "_Experts":
         from ..moe import MoE
         layers = [m for m in model.modules() if isinstance(m, MoE)]
         built = sorted({m.ep_size for m in layers})
         if not layers:
-            if split and split > 1:
-                raise _UsageError(f"--expert-parallel {split}: the model has no MoE layer "
-                                  "(shardtrain.moe.MoE) whose experts it could split.")
-            return cls(frozenset(), shards=zero)
+            return cls._auto(model, split, zero, auto or {})
         if len(built) > 1 or (split and built[0] > 1 and split != built[0]):
             raise _UsageError(f"the model's MoE layers are built with ep_size {built}; "
                               f"--expert-parallel {split} must agree (or be left out).")
@@ -187,6 +187,42 @@ class _Experts:
                    total_trainable=sum(unsplit(p) for p in params.values() if p.requires_grad),
                    local_trainable=sum(per_rank(p) for p in params.values() if p.requires_grad),
                    local_frozen=sum(per_rank(p) for p in params.values() if not p.requires_grad),
+                   ep=ep, shards=zero // ep)
+
+    @classmethod
+    def _auto(cls, model: torch.nn.Module, split: Optional[int], zero: int,
+              block: Dict[str, Any]) -> "_Experts":
+        """A Hugging Face model's own MoE blocks, split as AutoEP would (the config's
+        ``expert_parallel`` block, or ``--expert-parallel`` with the preset of its
+        ``model_type``)."""
+        from ..moe.auto import find_moe_blocks, parse_block
+        config = parse_block({**block, "enabled": True, "autoep_size": split} if split
+                             else block)
+        ep = config.autoep_size if config.enabled else 1
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        preset = config.preset_for(model_type)
+        blocks = find_moe_blocks(model, preset) if preset is not None else []
+        if ep > 1 and not blocks:
+            raise _UsageError(f"--expert-parallel {ep}: the model has no MoE layer "
+                              "(shardtrain.moe.MoE) nor MoE block AutoEP finds (preset "
+                              f"{config.preset_model or model_type!r}) whose experts it could "
+                              "split.")
+        if ep == 1 or not blocks:
+            return cls(frozenset(), shards=zero)
+        for b in blocks:
+            if b.num_experts % ep:
+                raise _UsageError(f"--expert-parallel {ep} does not divide the {b.num_experts} "
+                                  f"experts of {b.name}.")
+        if zero % ep:
+            raise _UsageError(f"--expert-parallel {ep} does not divide the {zero} ranks ZeRO "
+                              "shards over.")
+        params = {id(p): p for b in blocks for p in b.experts.parameters()}
+        return cls(frozenset(params), total=sum(p.numel() for p in params.values()),
+                   total_trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+                   local_trainable=sum(p.numel() // ep for p in params.values()
+                                       if p.requires_grad),
+                   local_frozen=sum(p.numel() // ep for p in params.values()
+                                    if not p.requires_grad),
                    ep=ep, shards=zero // ep)
 
 
