@@ -141,9 +141,7 @@ def _train(engine, data, rank: int, world: int, steps: int = STEPS):
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().float().clone()
-        comm.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(_mean_of(loss, world))
         norms.append(float(engine.get_global_grad_norm()))
     return losses, norms
 
@@ -320,6 +318,41 @@ def _saved_names(root: str):
         return list(f.keys())
 
 
+def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
+    """DeepSpeed's own AutoEP run (``fixtures/deepspeed_moe/autoep``: its config, initial
+    weights and data, made by DeepSpeed 0.19.8) through the ``deepspeed`` alias: the losses."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        import json
+        from pathlib import Path
+
+        import deepspeed
+        from safetensors.torch import load_file
+
+        from ds_moe_model import AUTOEP_STEPS, autoep_config, autoep_tokens, mixtral
+        root = Path(__file__).parent / "fixtures" / "deepspeed_moe" / "autoep"
+        model = mixtral()
+        model.load_state_dict(load_file(root / "init.safetensors"))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=autoep_config(stage))
+        losses = []
+        for step in range(AUTOEP_STEPS):
+            ids = autoep_tokens(step, rank)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(_mean_of(loss, world))
+        engine.destroy()
+        return {"losses": losses,
+                "deepspeed": json.loads((root / "expected.json").read_text())[f"s{stage}"]}
+    return case
+
+
+def _mean_of(loss: torch.Tensor, world: int) -> float:
+    mean = loss.detach().float().clone()
+    comm.all_reduce(mean)
+    return mean.item() / world
+
+
 def sp_mixtral() -> torch.nn.Module:
     """Mixtral for the sequence-parallel cases (``cases_parallel``'s vocabulary and batches;
     no router-auxiliary loss: it is a statistic of the tokens each rank sees, and a
@@ -398,6 +431,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                  checkpoint=case_checkpoint((2, 2), (("ep2_s1", 2, 1), ("dense_s3", None, 3))),
                  sp2_ep2_s2=case_sequence_parallel(2, 2), pretrained=case_pretrained,
                  bf16_ep2=case_engine("mixtral", 2, 2, bf16=True),
+                 deepspeed_s1=case_deepspeeds_losses(1), deepspeed_s2=case_deepspeeds_losses(2),
                  bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)

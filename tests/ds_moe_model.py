@@ -5,6 +5,10 @@
 same model through the ``deepspeed`` alias (shardtrain's layer) and the same data, imports the
 checkpoint and continues. Top-2 routing without sampling and without dropping tokens, so both
 route alike.
+
+``mixtral`` and ``AUTOEP_*`` are the AutoEP fixture's (``fixtures/deepspeed_moe/autoep/``): a
+tiny ``MixtralForCausalLM`` whose initial weights DeepSpeed's run saved (transformers' own
+initialisation differs between its versions), trained with DeepSpeed's AutoEP over 2 ranks.
 """
 from __future__ import annotations
 
@@ -52,3 +56,32 @@ def batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def loss_of(engine, step: int, rank: int) -> torch.Tensor:
     x, y = batch(step, rank)
     return torch.nn.functional.mse_loss(engine(x), y)
+
+
+AUTOEP_STEPS, AUTOEP_VOCAB = 3, 64
+
+
+def mixtral() -> torch.nn.Module:
+    """The AutoEP fixture's model (no router-auxiliary loss: DeepSpeed 0.19.8's AutoEP does
+    not return the router logits transformers computes it from)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=AUTOEP_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2))
+
+
+def autoep_config(stage: int) -> Dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0,
+                                                      "torch_adam": True}},
+            "expert_parallel": {"enabled": True, "autoep_size": WORLD, "preset_model": "mixtral",
+                                "use_grouped_mm": False}}
+
+
+def autoep_tokens(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(200 + step)
+    rows = torch.randint(0, AUTOEP_VOCAB, (WORLD * MICRO, 8), generator=g)
+    return rows[rank * MICRO:(rank + 1) * MICRO]

@@ -158,6 +158,16 @@ def test_checkpoints_with_autotp_describe_the_unsplit_model(run4):
             assert got[key][0] and got[key][1] < ATOL, key
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeeds_own_autoep_run_gives_the_same_losses(run, stage):
+    """DeepSpeed 0.19.8's AutoEP (its own router, grouped experts and all-to-all) trained a tiny
+    Mixtral over 2 ranks; the same config, weights and data through the alias give its losses:
+    both route exactly as the model does."""
+    for rank in range(2):
+        got = result(run, f"deepspeed_s{stage}", rank)
+        assert got["losses"] == pytest.approx(got["deepspeed"], abs=ATOL)
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "preset_model 'mixtral' matches no MoE block of LlamaForCausalLM" in got["no_block"]
