@@ -7,6 +7,7 @@ and what AutoEP refuses."""
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -323,13 +324,12 @@ def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
     weights and data, made by DeepSpeed 0.19.8) through the ``deepspeed`` alias: the losses."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         import json
-        from pathlib import Path
 
         import deepspeed
         from safetensors.torch import load_file
 
         from ds_moe_model import AUTOEP_STEPS, autoep_config, autoep_tokens, mixtral
-        root = Path(__file__).parent / "fixtures" / "deepspeed_moe" / "autoep"
+        root = DS_AUTOEP
         model = mixtral()
         model.load_state_dict(load_file(root / "init.safetensors"))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -345,6 +345,45 @@ def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
         return {"losses": losses,
                 "deepspeed": json.loads((root / "expected.json").read_text())[f"s{stage}"]}
     return case
+
+
+DS_AUTOEP = Path(__file__).parent / "fixtures" / "deepspeed_moe" / "autoep"
+
+
+def case_deepspeed_checkpoint(root: str) -> Callable[[int, int], Dict[str, Any]]:
+    """DeepSpeed's AutoEP checkpoint (ZeRO-2, before the last step of its run), converted by
+    import_deepspeed into ``root`` (in one process, before the ranks start), resumed by
+    shardtrain's AutoEP at ZeRO-2 and by the model without AutoEP at ZeRO-1: the last step's
+    loss is DeepSpeed's."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        return _resume_deepspeeds(root, rank, world)
+    return case
+
+
+def _resume_deepspeeds(root: str, rank: int, world: int) -> Dict[str, Any]:
+    import json
+
+    import deepspeed
+
+    from ds_moe_model import AUTOEP_STEPS, autoep_config, autoep_tokens, mixtral
+    fixture = DS_AUTOEP
+    out: Dict[str, Any] = {
+        "deepspeed": json.loads((fixture / "expected.json").read_text())["s2"][-1]}
+    for name, stage, ep in (("autoep_s2", 2, True), ("dense_s1", 1, False)):
+        config = autoep_config(stage)
+        if not ep:
+            del config["expert_parallel"]
+        model = mixtral()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+        engine.load_checkpoint(root, tag="s2")
+        ids = autoep_tokens(AUTOEP_STEPS - 1, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        out[name] = _mean_of(loss, world)
+        engine.destroy()
+    return out
 
 
 def _mean_of(loss: torch.Tensor, world: int) -> float:
@@ -420,7 +459,7 @@ def case_refusals(rank: int, world: int) -> Dict[str, str]:
     return out
 
 
-def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
+def all_cases(rank: int, world_size: int, ds_checkpoint: str = "") -> Dict[str, Any]:
     from _dist import run_cases
     cases: Dict[str, Callable] = {
         f"mixtral_s{stage}": case_engine("mixtral", stage, 2) for stage in (0, 1, 2, 3)}
@@ -432,6 +471,7 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
                  sp2_ep2_s2=case_sequence_parallel(2, 2), pretrained=case_pretrained,
                  bf16_ep2=case_engine("mixtral", 2, 2, bf16=True),
                  deepspeed_s1=case_deepspeeds_losses(1), deepspeed_s2=case_deepspeeds_losses(2),
+                 deepspeed_checkpoint=case_deepspeed_checkpoint(ds_checkpoint),
                  bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)

@@ -12,8 +12,13 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def run():
-    return None, run_ranks("cases_autoep:all_cases", 2, timeout=300)
+def run(tmp_path_factory):
+    from cases_autoep import DS_AUTOEP
+    from shardtrain.checkpoint import import_deepspeed
+    converted = tmp_path_factory.mktemp("ds-autoep")  # in one process, before the ranks
+    import_deepspeed(DS_AUTOEP, converted, tag="s2")
+    return None, run_ranks("cases_autoep:all_cases", 2, timeout=300,
+                           ds_checkpoint=str(converted))
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +171,16 @@ def test_deepspeeds_own_autoep_run_gives_the_same_losses(run, stage):
     for rank in range(2):
         got = result(run, f"deepspeed_s{stage}", rank)
         assert got["losses"] == pytest.approx(got["deepspeed"], abs=ATOL)
+
+
+def test_deepspeeds_autoep_checkpoint_converts_and_resumes(run):
+    """import_deepspeed reads DeepSpeed's AutoEP layout (experts stacked per rank as w1/w2/w3
+    under its router's name) into the model's own (gate_up_proj, down_proj, gate): resumed
+    with AutoEP and without, the next step's loss is DeepSpeed's."""
+    for rank in range(2):
+        got = result(run, "deepspeed_checkpoint", rank)
+        for name in ("autoep_s2", "dense_s1"):
+            assert got[name] == pytest.approx(got["deepspeed"], abs=ATOL), name
 
 
 def test_mistakes_are_named(run):

@@ -127,15 +127,20 @@ def _stage12(files: DeepSpeedFiles, model: Dict[str, Any],
     base = optims[0][BASE_OPTIMIZER_STATE]
     saved_groups = base["param_groups"] if isinstance(base, dict) else [{}] * len(shapes)
     experts = _expert_weights(files, load)
+    autoep = model.get("ds_autoep_layers") or []
     for g, params in enumerate(shapes):
         if g < len(saved_groups) and saved_groups[g].get("moe"):
-            _read_experts12(state, files, optims, g, params, experts)
+            read = _read_autoep12 if autoep else _read_experts12
+            read(state, files, optims, g, params, experts)
         else:
             _read_group12(state, files, optims, g, params, model["module"])
     if files.experts and not any(group.get("moe") for group in saved_groups):
         raise ValueError(f"{files.tag_dir} holds expert files but no optimizer group of "
                          "experts ('moe': true): the checkpoint is damaged.")
-    whole_frozen(state, model["module"])
+    module = model["module"]
+    if autoep:
+        saved_groups, module = _as_model_autoep(state, autoep, saved_groups, module)
+    whole_frozen(state, module)
     state.groups = hyperparameters(saved_groups)  # the elastic form keeps none
     state.loss_scaler = scaler_state(optims[0].get(LOSS_SCALER), optims[0].get(
         "dynamic_loss_scale"), state.counters["global_steps"])
@@ -195,6 +200,87 @@ def _read_experts12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[D
         ranks = [e + ep * j for j in range(edp)]
         named = [(_global_expert(n, e * len(local)), shape) for n, shape in params]
         _read_group12(state, files, [optims[r] for r in ranks], g, named, weights)
+
+
+def _read_autoep12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dict[str, Any]],
+                   g: int, params: List[Tuple[str, List[int]]],
+                   weights: Dict[str, torch.Tensor]) -> None:
+    """One flat group of DeepSpeed's AutoEP experts: on each expert-parallel rank (adjacent
+    ranks, as for the MoE layer) its experts stacked along the first dimension under one name
+    (``<block>.experts.w1``, ``(local experts, ffn, hidden)``); the unsplit tensor stacks every
+    rank's in rank order. The module's copy is in the expert files, one per expert
+    (``<block>.experts.w1.<e>``)."""
+    world = len(optims)
+    edp = int((optims[0].get(PARTITION_COUNT) or [1] * (g + 1))[g])
+    if edp < 1 or world % edp:
+        raise ValueError(f"{files.tag_dir}: expert group {g} is partitioned over {edp} of "
+                         f"{world} ranks: the checkpoint is damaged.")
+    ep = world // edp
+    pieces = []
+    for e in range(ep):
+        scratch = DeepSpeedState.__new__(DeepSpeedState)
+        scratch.params = {}
+        _read_group12(scratch, files, [optims[e + ep * j] for j in range(edp)], g, params, {})
+        pieces.append(scratch.params)
+    for name, shape in params:
+        parts = [p[name] for p in pieces]
+        experts = shape[0] * ep
+        rows = [weights.get(f"{name}.{i}") for i in range(experts)]
+        weight = torch.stack(rows).reshape(-1) if all(r is not None for r in rows) else None
+        state.params[name] = TrainedParam(
+            [experts] + list(shape[1:]), torch.cat([p.master for p in parts]), weight,
+            {k: torch.cat([p.states[k] for p in parts]) for k in parts[0].states},
+            dict(parts[0].scalars), g)
+
+
+def _as_model_autoep(state: DeepSpeedState, layers: List[Dict[str, Any]],
+                     groups: List[Dict[str, Any]], module: Dict[str, torch.Tensor]):
+    """DeepSpeed's AutoEP layers under the names and layout of the model transformers builds
+    (what shardtrain's AutoEP trains, with the model's own modules): ``<block>.experts.w1``
+    (gate) and ``w3`` (up) joined into ``gate_up_proj`` along each expert's rows, ``w2`` as
+    ``down_proj``, the router ``<block>.router.gate.weight`` as ``<block>.gate.weight``. The
+    optimizer groups DeepSpeed made for the experts are merged into the others (the model's
+    parameters are one group to the model's own optimizer), where their hyperparameters agree.
+    Returns the groups and the module's tensors without AutoEP's own names."""
+    dropped = set()
+    for layer in layers:
+        block = str(layer.get("module_path", ""))
+        w1, w2, w3 = (state.params.pop(f"{block}.experts.{w}", None) for w in ("w1", "w2", "w3"))
+        if w1 is None or w2 is None:
+            raise NotImplementedError(f"{state.tag_dir}: AutoEP layer {block!r} has no experts "
+                                      "w1/w2 in the optimizer: not a layout this converter reads.")
+        if w3 is not None:  # the gate and up projections, row blocks of one weight each expert
+            w1 = _joined_rows(w1, w3)
+        state.params[f"{block}.experts.gate_up_proj"] = w1
+        state.params[f"{block}.experts.down_proj"] = w2
+        router = state.params.pop(f"{block}.router.gate.weight", None)
+        if router is not None:
+            state.params[f"{block}.gate.weight"] = router
+        dropped |= {f"{block}.router.gate.weight", f"{block}.gate.gate.weight"}
+    merged = [{k: v for k, v in g.items() if k not in ("name", "moe", "params")} for g in groups]
+    if any(g != merged[0] for g in merged):
+        raise NotImplementedError(f"{state.tag_dir}: AutoEP's expert optimizer group has other "
+                                  "hyperparameters than the dense one: not converted.")
+    for p in state.params.values():
+        p.group = 0
+    return merged[:1], {k: v for k, v in module.items() if k not in dropped}
+
+
+def _joined_rows(first: TrainedParam, second: TrainedParam) -> TrainedParam:
+    """Each expert's rows of ``first`` then of ``second`` (``(experts, a, d)`` and
+    ``(experts, b, d)`` into ``(experts, a + b, d)``), for every value it carries."""
+    e, a, d = first.shape
+    b = second.shape[1]
+
+    def join(x: Optional[torch.Tensor], y: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if x is None or y is None:
+            return None
+        return torch.cat([x.reshape(e, a, d), y.reshape(e, b, d)], dim=1).reshape(-1)
+
+    return TrainedParam([e, a + b, d], join(first.master, second.master),
+                        join(first.weight, second.weight),
+                        {k: join(v, second.states[k]) for k, v in first.states.items()},
+                        dict(first.scalars), first.group)
 
 
 _MARKER = "deepspeed_experts."
