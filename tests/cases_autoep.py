@@ -319,9 +319,11 @@ def _saved_names(root: str):
         return list(f.keys())
 
 
-def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
+def case_deepspeeds_losses(stage: int, rule: bool = False
+                           ) -> Callable[[int, int], Dict[str, Any]]:
     """DeepSpeed's own AutoEP run (``fixtures/deepspeed_moe/autoep``: its config, initial
-    weights and data, made by DeepSpeed 0.19.8) through the ``deepspeed`` alias: the losses."""
+    weights and data, made by DeepSpeed 0.19.8) through the ``deepspeed`` alias: the losses
+    (``rule``: the run with DeepSpeed's routing keys)."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         import json
 
@@ -333,7 +335,7 @@ def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
         model = mixtral()
         model.load_state_dict(load_file(root / "init.safetensors"))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=autoep_config(stage))
+                                          config=autoep_config(stage, rule))
         losses = []
         for step in range(AUTOEP_STEPS):
             ids = autoep_tokens(step, rank)
@@ -342,8 +344,9 @@ def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
             engine.step()
             losses.append(_mean_of(loss, world))
         engine.destroy()
+        key = f"s{stage}" + ("_rule" if rule else "")
         return {"losses": losses,
-                "deepspeed": json.loads((root / "expected.json").read_text())[f"s{stage}"]}
+                "deepspeed": json.loads((root / "expected.json").read_text())[key]}
     return case
 
 
@@ -442,7 +445,9 @@ def case_refusals(rank: int, world: int) -> Dict[str, str]:
         "no_preset": (llama, {}),
         "unknown_preset": (hf_model("mixtral"), {"preset_model": "mixtral_v9"}),
         "indivisible": (three, {"preset_model": "mixtral"}),
-        "routing": (hf_model("mixtral"), {"preset_model": "mixtral", "top_k": 1}),
+        "routing": (hf_model("mixtral"), {"preset_model": "mixtral",
+                                          "num_expert_groups": 2}),
+        "top_k": (hf_model("mixtral"), {"preset_model": "mixtral", "top_k": 5}),
         "unknown_key": (hf_model("mixtral"), {"preset_model": "mixtral", "autoep": 2}),
         "missing_part": (hf_model("mixtral"), {"preset_model": "mixtral",
                                                "router_pattern": "router"}),
@@ -471,6 +476,7 @@ def all_cases(rank: int, world_size: int, ds_checkpoint: str = "") -> Dict[str, 
                  sp2_ep2_s2=case_sequence_parallel(2, 2), pretrained=case_pretrained,
                  bf16_ep2=case_engine("mixtral", 2, 2, bf16=True),
                  deepspeed_s1=case_deepspeeds_losses(1), deepspeed_s2=case_deepspeeds_losses(2),
+                 deepspeed_s2_rule=case_deepspeeds_losses(2, rule=True),
                  deepspeed_checkpoint=case_deepspeed_checkpoint(ds_checkpoint),
                  bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)

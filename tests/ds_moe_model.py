@@ -72,13 +72,20 @@ def mixtral() -> torch.nn.Module:
         num_local_experts=4, num_experts_per_tok=2))
 
 
-def autoep_config(stage: int) -> Dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+#: DeepSpeed's routing keys in place of the model's router (the fixture's "rule" run).
+AUTOEP_RULE = {"top_k": 3, "score_func": "sigmoid", "route_norm": True, "route_scale": 1.5}
+
+
+def autoep_config(stage: int, rule: bool = False) -> Dict[str, Any]:
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
             "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0,
                                                       "torch_adam": True}},
             "expert_parallel": {"enabled": True, "autoep_size": WORLD, "preset_model": "mixtral",
                                 "use_grouped_mm": False}}
+    if rule:
+        config["expert_parallel"].update(AUTOEP_RULE)
+    return config
 
 
 def autoep_tokens(step: int, rank: int) -> torch.Tensor:

@@ -163,13 +163,14 @@ def test_checkpoints_with_autotp_describe_the_unsplit_model(run4):
             assert got[key][0] and got[key][1] < ATOL, key
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_deepspeeds_own_autoep_run_gives_the_same_losses(run, stage):
+@pytest.mark.parametrize("name", ["s1", "s2", "s2_rule"])
+def test_deepspeeds_own_autoep_run_gives_the_same_losses(run, name):
     """DeepSpeed 0.19.8's AutoEP (its own router, grouped experts and all-to-all) trained a tiny
     Mixtral over 2 ranks; the same config, weights and data through the alias give its losses:
-    both route exactly as the model does."""
+    both route exactly as the model does, and with DeepSpeed's routing keys (top_k 3, sigmoid
+    scores, renormalised, times 1.5) both route by DeepSpeed's rule."""
     for rank in range(2):
-        got = result(run, f"deepspeed_s{stage}", rank)
+        got = result(run, f"deepspeed_{name}", rank)
         assert got["losses"] == pytest.approx(got["deepspeed"], abs=ATOL)
 
 
@@ -190,8 +191,9 @@ def test_mistakes_are_named(run):
     assert "'mixtral_v9' is not a preset: choose one of" in got["unknown_preset"]
     assert "has 3 experts, which autoep_size 2 does not divide: choose an autoep_size among " \
         "[1, 3]" in got["indivisible"]
-    assert "expert_parallel.top_k = 1: AutoEP keeps each MoE block's own router" in \
-        got["routing"]
+    assert "expert_parallel.num_expert_groups = 2 is not provided" in got["routing"]
+    assert "expert_parallel.top_k: 5 experts per token, of 4: set top_k between 1 and 4" in \
+        got["top_k"]
     assert "expert_parallel has unknown keys ['autoep']" in got["unknown_key"]
     assert "has no child 'router' (router_pattern)" in got["missing_part"]
     assert "have no stacked weights ['w1']" in got["weights"]

@@ -26,8 +26,13 @@ def test_the_block_follows_deepspeeds_keys_and_names_each_mistake():
         parse_block({"moe_layer_pattern": "("})
     with pytest.raises(ValueError, match="router_pattern must be the name of one attribute"):
         parse_block({"router_pattern": "mlp.gate"})
-    with pytest.raises(NotImplementedError, match="score_func = 'sigmoid'"):
-        parse_block({"score_func": "sigmoid"})
+    assert parse_block({"score_func": "sigmoid", "route_scale": 2.0}).routing == {
+        "score_func": "sigmoid", "route_scale": 2.0}
+    assert parse_block({"top_k": "auto", "route_norm": None}).routing == {}
+    with pytest.raises(ValueError, match="score_func must be 'auto', 'softmax' or 'sigmoid'"):
+        parse_block({"score_func": "relu"})
+    with pytest.raises(NotImplementedError, match="score_apply = 'pre' is not provided"):
+        parse_block({"score_apply": "pre"})
 
 
 def test_stacked_experts_record_the_unsplit_shape():

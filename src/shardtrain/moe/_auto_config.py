@@ -13,9 +13,11 @@ or, for a model no preset knows, the custom patterns::
                         "num_experts_attr": "n_experts", "top_k_attr": "k"}
 
 The MoE blocks keep their own router (the model's routing rule, exactly, and its
-router-auxiliary loss): the keys that would replace it with another rule (``top_k``,
-``score_func``, ``route_norm``, ``route_scale``, ...) are accepted at their defaults only.
-Every mistake raises ValueError naming the key, the value and the fix.
+router-auxiliary loss) unless one of DeepSpeed's routing keys (``top_k``, ``score_func``,
+``route_norm``, ``route_scale``) is set: then each router's forward follows DeepSpeed's rule
+with those values (see :mod:`.auto`). ``routed_scaling_factor``, ``num_expert_groups``,
+``num_limited_groups`` and ``load_balance_coeff`` are accepted at their defaults only. Every
+mistake raises ValueError naming the key, the value and the fix.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ class Preset:
             the experts each token is routed to.
         shared_experts_pattern: the block's child of experts every token goes through (kept
             whole on every rank), "" when the family has none.
+        score_func, route_norm: DeepSpeed's defaults for the family's rule (used when a routing
+            key replaces the model's router and the model config does not say).
     """
 
     moe_layer_pattern: str
@@ -54,6 +58,8 @@ class Preset:
     num_experts_attr: str = "num_experts"
     top_k_attr: str = "num_experts_per_tok"
     shared_experts_pattern: str = ""
+    score_func: str = "softmax"  # DeepSpeed's rule, when a routing key asks for it
+    route_norm: bool = True
 
 
 _LAYERS = r"model\.layers\.\d+\.mlp"
@@ -66,23 +72,26 @@ PRESETS: Dict[str, Preset] = {
     "deepseek_v2": Preset(_LAYERS, num_experts_attr="n_routed_experts",
                           shared_experts_pattern="shared_experts"),
     "deepseek_v3": Preset(_LAYERS, num_experts_attr="n_routed_experts",
-                          shared_experts_pattern="shared_experts"),
+                          shared_experts_pattern="shared_experts", score_func="sigmoid",
+                          route_norm=False),
 }
 
-#: Keys that would replace the model's router with another rule: accepted at these values.
+#: Routing keys not provided: accepted at these values only.
 _ROUTING_DEFAULTS: Dict[str, tuple] = {
-    "top_k": ("auto",), "score_func": ("auto",), "score_apply": ("auto",),
-    "route_norm": (None,), "route_scale": (1.0,), "routed_scaling_factor": ("auto",),
+    "score_apply": ("auto", "post"), "routed_scaling_factor": ("auto",),
     "num_expert_groups": (None,), "num_limited_groups": (None,),
     "load_balance_coeff": (1e-3, None),
 }
+#: Routing keys that replace the model's rule with DeepSpeed's, and their "keep it" values.
+_RULE_KEYS: Dict[str, Any] = {"top_k": "auto", "score_func": "auto", "route_norm": None,
+                              "route_scale": 1.0}
 #: Keys that choose DeepSpeed's kernels for the local experts: accepted, no effect.
 _KERNEL_KEYS = ("use_grouped_mm", "grouped_mm_backend")
 _CUSTOM_KEYS = ("moe_layer_pattern", "router_pattern", "expert_pattern", "expert_w1",
                 "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts",
                 "shared_experts_pattern")
 _KEYS = ("enabled", "autoep_size", "preset_model") + _CUSTOM_KEYS + _KERNEL_KEYS \
-    + tuple(_ROUTING_DEFAULTS)
+    + tuple(_ROUTING_DEFAULTS) + tuple(_RULE_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,8 @@ class AutoEPConfig:
     preset_model: Optional[str] = None
     preset: Optional[Preset] = None
     overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the routing keys set away from "keep the model's router" (empty: the model's rule)
+    routing: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def preset_for(self, model_type: Optional[str]) -> Optional[Preset]:
         """The preset to detect blocks with: the configured one, else the one named by the
@@ -122,9 +133,10 @@ def parse_block(block: Optional[Dict[str, Any]]) -> AutoEPConfig:
     for key, allowed in _ROUTING_DEFAULTS.items():
         if key in block and block[key] not in allowed:
             raise NotImplementedError(
-                f"{_BLOCK}.{key} = {block[key]!r}: AutoEP keeps each MoE block's own router "
-                "(the model's routing rule and its auxiliary loss, exactly); replacing it with "
-                f"another rule is not provided. Remove {key}, or set it to {allowed[0]!r}.")
+                f"{_BLOCK}.{key} = {block[key]!r} is not provided (AutoEP routes by the "
+                "model's router, or by DeepSpeed's rule with top_k, score_func, route_norm "
+                f"and route_scale): remove {key}, or set it to {allowed[0]!r}.")
+    routing = _routing(block)
     preset_name = block.get("preset_model")
     if preset_name is not None and preset_name not in PRESETS:
         raise ValueError(f"{_BLOCK}.preset_model {preset_name!r} is not a preset: choose one of "
@@ -136,7 +148,26 @@ def parse_block(block: Optional[Dict[str, Any]]) -> AutoEPConfig:
         preset = dataclasses.replace(PRESETS[preset_name], **overrides)
     elif "moe_layer_pattern" in overrides:
         preset = Preset(**overrides)
-    return AutoEPConfig(enabled, size, preset_name, preset, overrides)
+    return AutoEPConfig(enabled, size, preset_name, preset, overrides, routing)
+
+
+def _routing(block: Dict[str, Any]) -> Dict[str, Any]:
+    """The routing keys set to something else than keeping the model's router, checked."""
+    out = {k: block[k] for k, keep in _RULE_KEYS.items() if k in block and block[k] != keep}
+    top_k = out.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"{_BLOCK}.top_k must be a positive integer or 'auto', got {top_k!r}.")
+    if out.get("score_func", "softmax") not in ("softmax", "sigmoid"):
+        raise ValueError(f"{_BLOCK}.score_func must be 'auto', 'softmax' or 'sigmoid', got "
+                         f"{out['score_func']!r}.")
+    if "route_norm" in out and not isinstance(out["route_norm"], bool):
+        raise ValueError(f"{_BLOCK}.route_norm must be true, false or null (the model's), got "
+                         f"{out['route_norm']!r}.")
+    scale = out.get("route_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        raise ValueError(f"{_BLOCK}.route_scale must be a positive number, got {scale!r}.")
+    return out
 
 
 def _overrides(block: Dict[str, Any]) -> Dict[str, Any]:

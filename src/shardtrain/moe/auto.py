@@ -7,7 +7,9 @@ module (the experts' weights stacked along their first dimension, called as
 ``experts(hidden_states, top_k_index, top_k_weights)`` by the block: transformers' own MoE
 classes) with :class:`SplitExperts`, which keeps this rank's ``num_experts / autoep_size``
 experts. Everything else of the block stays the model's: the router (its routing rule and the
-router logits its auxiliary loss is computed from), shared experts, the block's forward.
+router logits its auxiliary loss is computed from), shared experts, the block's forward. With
+DeepSpeed's routing keys (``top_k``, ``score_func``, ``route_norm``, ``route_scale``) each
+router's forward follows DeepSpeed's rule instead (:class:`RoutingRule`), on its own weight.
 
 Routing is dropless: every (token, expert) pair the router chose travels to the rank holding
 the expert (an all-to-all of uneven sizes, agreed by a first all-to-all of the counts), is
@@ -22,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from typing import Any, Dict, List, Optional
@@ -34,7 +37,8 @@ from ..layout import ExpertSplit, layout_of, place
 from ._auto_config import PRESETS, AutoEPConfig, Preset, parse_block
 from ._groups import ExpertGroups, expert_groups
 
-__all__ = ["MoEBlock", "SplitExperts", "auto_ep", "find_moe_blocks", "parse_block"]
+__all__ = ["MoEBlock", "RoutingRule", "SplitExperts", "auto_ep", "find_moe_blocks", "parse_block",
+           "route_by_rule"]
 
 
 class SplitExperts(torch.nn.Module):
@@ -247,7 +251,73 @@ def auto_ep(model: torch.nn.Module, block: Dict[str, Any], mesh: Optional[comm.M
     for b in blocks:
         name = preset.experts_pattern
         setattr(b.module, name, SplitExperts(b.experts, preset, b.num_experts, groups))
+        if config.routing:
+            route_by_rule(getattr(b.module, preset.router_pattern), b.name,
+                          _rule(config.routing, preset, model, b.num_experts))
     return groups
+
+
+# -- DeepSpeed's routing rule -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRule:
+    """DeepSpeed AutoEP's router: scores of the router's logits (``softmax`` or ``sigmoid``,
+    in fp32), the ``top_k`` experts of the highest scores (plus the router's
+    ``e_score_correction_bias`` where it has one, for the choice only), their scores divided by
+    their sum when ``route_norm``, times ``route_scale``."""
+
+    top_k: int
+    score_func: str
+    route_norm: bool
+    route_scale: float
+
+
+def _rule(routing: Dict[str, Any], preset: Preset, model: torch.nn.Module,
+          num_experts: int) -> RoutingRule:
+    """The rule the routing keys ask for; what they leave out comes from the model config
+    (its top-k attribute, ``scoring_func``, ``norm_topk_prob``), else the preset."""
+    config = getattr(model, "config", None)
+    top_k = routing.get("top_k", getattr(config, preset.top_k_attr, None))
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"expert_parallel.top_k: {top_k!r} experts per token, of "
+                         f"{num_experts}: set top_k between 1 and {num_experts} (the model "
+                         f"config's {preset.top_k_attr} is {getattr(config, preset.top_k_attr, None)!r}).")
+    scoring = getattr(config, "scoring_func", None)
+    score_func = routing.get("score_func", scoring if scoring in ("softmax", "sigmoid")
+                             else preset.score_func)
+    norm = getattr(config, "norm_topk_prob", None)
+    route_norm = routing.get("route_norm", norm if isinstance(norm, bool) else preset.route_norm)
+    return RoutingRule(top_k, score_func, route_norm, float(routing.get("route_scale", 1.0)))
+
+
+def route_by_rule(router: torch.nn.Module, where: str, rule: RoutingRule) -> None:
+    """Makes ``router`` (a module with the ``(experts, hidden)`` ``weight`` of its logits)
+    route by ``rule``, returning what transformers' routers return: ``(logits, weights of the
+    chosen experts, their indices)``. Its parameters, its name and the hooks on it (the router
+    logits transformers records for the auxiliary loss) stay."""
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"expert_parallel: the router of {where} ({type(router).__name__}) has "
+                         "no (experts, hidden) weight for DeepSpeed's rule (top_k, score_func, "
+                         "route_norm, route_scale): leave those keys out to keep its own.")
+    router.forward = functools.partial(_route, router, rule)
+
+
+def _route(router: torch.nn.Module, rule: RoutingRule, hidden_states: torch.Tensor):
+    weight = router.weight
+    logits = F.linear(hidden_states.reshape(-1, weight.shape[1]), weight,
+                      getattr(router, "bias", None))
+    scores = logits.float()
+    scores = scores.sigmoid() if rule.score_func == "sigmoid" else scores.softmax(dim=-1)
+    choice = scores
+    correction = getattr(router, "e_score_correction_bias", None)
+    if isinstance(correction, torch.Tensor):
+        choice = scores + correction
+    index = torch.topk(choice, rule.top_k, dim=-1, sorted=False).indices
+    top = scores.gather(1, index)
+    if rule.route_norm:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, top * rule.route_scale, index
 
 
 def _blocks(model: torch.nn.Module, config: AutoEPConfig) -> List[MoEBlock]:
