@@ -189,17 +189,24 @@ def _read_experts12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[D
     ``param_shapes`` lists, rank 0's); the ranks ``e, e + ep_size, ...`` hold the same experts
     and their flat group is cut over them (``partition_count``). Each expert-parallel rank's
     experts are read as a group of their own and named by their global index."""
+    local = sorted({_local_expert(n) for n, _ in params})
+    for e, holders in enumerate(_expert_holders(files, optims, g)):
+        named = [(_global_expert(n, e * len(local)), shape) for n, shape in params]
+        _read_group12(state, files, holders, g, named, weights)
+
+
+def _expert_holders(files: DeepSpeedFiles, optims: List[Dict[str, Any]], g: int
+                    ) -> List[List[Dict[str, Any]]]:
+    """For each expert-parallel rank ``e``, the optimizer states of the ranks holding its
+    experts (``e, e + ep_size, ...``: DeepSpeed's layout), over which expert group ``g`` is cut
+    (``partition_count``)."""
     world = len(optims)
     edp = int((optims[0].get(PARTITION_COUNT) or [1] * (g + 1))[g])
     if edp < 1 or world % edp:
         raise ValueError(f"{files.tag_dir}: expert group {g} is partitioned over {edp} of "
                          f"{world} ranks: the checkpoint is damaged.")
     ep = world // edp
-    local = sorted({_local_expert(n) for n, _ in params})
-    for e in range(ep):
-        ranks = [e + ep * j for j in range(edp)]
-        named = [(_global_expert(n, e * len(local)), shape) for n, shape in params]
-        _read_group12(state, files, [optims[r] for r in ranks], g, named, weights)
+    return [[optims[e + ep * j] for j in range(edp)] for e in range(ep)]
 
 
 def _read_autoep12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Dict[str, Any]],
@@ -210,21 +217,15 @@ def _read_autoep12(state: DeepSpeedState, files: DeepSpeedFiles, optims: List[Di
     (``<block>.experts.w1``, ``(local experts, ffn, hidden)``); the unsplit tensor stacks every
     rank's in rank order. The module's copy is in the expert files, one per expert
     (``<block>.experts.w1.<e>``)."""
-    world = len(optims)
-    edp = int((optims[0].get(PARTITION_COUNT) or [1] * (g + 1))[g])
-    if edp < 1 or world % edp:
-        raise ValueError(f"{files.tag_dir}: expert group {g} is partitioned over {edp} of "
-                         f"{world} ranks: the checkpoint is damaged.")
-    ep = world // edp
     pieces = []
-    for e in range(ep):
+    for holders in _expert_holders(files, optims, g):
         scratch = DeepSpeedState.__new__(DeepSpeedState)
         scratch.params = {}
-        _read_group12(scratch, files, [optims[e + ep * j] for j in range(edp)], g, params, {})
+        _read_group12(scratch, files, holders, g, params, {})
         pieces.append(scratch.params)
     for name, shape in params:
         parts = [p[name] for p in pieces]
-        experts = shape[0] * ep
+        experts = shape[0] * len(pieces)
         rows = [weights.get(f"{name}.{i}") for i in range(experts)]
         weight = torch.stack(rows).reshape(-1) if all(r is not None for r in rows) else None
         state.params[name] = TrainedParam(
