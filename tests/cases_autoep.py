@@ -395,6 +395,36 @@ def _mean_of(loss: torch.Tensor, world: int) -> float:
     return mean.item() / world
 
 
+def case_frozen_experts(rank: int, world: int) -> Dict[str, Any]:
+    """Fine-tuning with the experts frozen (split over 2 ranks, ZeRO-2): the checkpoint holds
+    them whole; an engine whose experts start elsewhere loads them back, split (ZeRO-1) or not
+    (ZeRO-3, no AutoEP), and holds every weight the saving engine held."""
+    data = _batches(world)
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="autoep-frozen-") if rank == 0 else "")
+
+    def frozen(shift: float) -> torch.nn.Module:
+        model = hf_model("mixtral")
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.requires_grad_(False)
+                p.data.add_(shift)
+        return model
+
+    engine = shardtrain.initialize(model=frozen(0.0), config=_config("mixtral", 2, world))[0]
+    _train(engine, data, rank, world, 2)
+    engine.save_checkpoint(root, tag="t")
+    want = full_state(engine)
+    engine.destroy()
+    out: Dict[str, Any] = {}
+    for name, stage, ep in (("split_s1", 1, world), ("whole_s3", 3, None)):
+        resumed = shardtrain.initialize(model=frozen(1.0), config=_config("mixtral", stage, ep))[0]
+        resumed.load_checkpoint(root, tag="t")
+        got = full_state(resumed)
+        out[name] = max((got[n] - w).abs().max().item() for n, w in want.items())
+        resumed.destroy()
+    return out
+
+
 def sp_mixtral() -> torch.nn.Module:
     """Mixtral for the sequence-parallel cases (``cases_parallel``'s vocabulary and batches;
     no router-auxiliary loss: it is a statistic of the tokens each rank sees, and a
@@ -478,6 +508,7 @@ def all_cases(rank: int, world_size: int, ds_checkpoint: str = "") -> Dict[str, 
                  deepspeed_s1=case_deepspeeds_losses(1), deepspeed_s2=case_deepspeeds_losses(2),
                  deepspeed_s2_rule=case_deepspeeds_losses(2, rule=True),
                  deepspeed_checkpoint=case_deepspeed_checkpoint(ds_checkpoint),
+                 frozen_experts=case_frozen_experts,
                  bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)

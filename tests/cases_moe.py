@@ -214,6 +214,37 @@ def _checkpoint(rank: int, world: int, saved_with, loads) -> Dict[str, Any]:
     return out
 
 
+def case_frozen_experts(rank: int, world: int) -> Dict[str, Any]:
+    """The experts frozen and split over the ranks (ZeRO-2): saved under their global names
+    and loaded back, into every expert on every rank (ZeRO-0) from other starting values,
+    equal to the saving engine's."""
+    x, y = _batches(world)
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="moe-frozen-") if rank == 0 else "")
+
+    def frozen(ep: int, shift: float) -> Net:
+        net = _model(ep)
+        for p in net.moe.deepspeed_moe.experts.parameters():
+            p.requires_grad_(False)
+            p.data.add_(shift)
+        return net
+
+    config = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine = shardtrain.initialize(model=frozen(world, 0.0), config=config)[0]
+    _train(engine, x, y, rank * B, world, 2)
+    engine.save_checkpoint(root, tag="t")
+    engine.save_16bit_model(root, "model.safetensors")
+    engine.destroy()
+    want = _read(f"{root}/model.safetensors")  # every expert, under its global name
+    config["zero_optimization"]["stage"] = 0
+    resumed = shardtrain.initialize(model=frozen(1, 1.0), config=config)[0]
+    resumed.load_checkpoint(root, tag="t")
+    got = {n: v.detach() for n, v in resumed.module.state_dict().items()}
+    resumed.destroy()
+    return {"names": sorted(got) == sorted(want),
+            "weights": max((got[n] - w).abs().max().item() for n, w in want.items())}
+
+
 def _read(path: str) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(path)
@@ -421,7 +452,8 @@ def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
         "top2_sampled_residual": case_layer(k=2, drop_tokens=False, use_residual=True,
                                             noisy_gate_policy="Jitter"),
         "refusals": case_refusals, "checkpoint": case_checkpoint(),
-        "deepspeed_script": case_deepspeed_script, "pretrained": case_pretrained}
+        "deepspeed_script": case_deepspeed_script, "pretrained": case_pretrained,
+        "frozen_experts": case_frozen_experts}
     cases.update({f"engine_s{stage}_ep{ep}": case_engine(stage, ep)
                   for stage, ep in ((2, 1), (0, 2), (1, 2), (2, 2), (3, 2))})
     cases.update(engine_s2_ep2_bf16=case_engine(2, 2, bf16=True),

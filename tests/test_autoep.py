@@ -184,6 +184,12 @@ def test_deepspeeds_autoep_checkpoint_converts_and_resumes(run):
             assert got[name] == pytest.approx(got["deepspeed"], abs=ATOL), name
 
 
+def test_frozen_split_experts_are_saved_whole_and_load_anywhere(run):
+    for rank in range(2):
+        got = result(run, "frozen_experts", rank)
+        assert got["split_s1"] == 0.0 and got["whole_s3"] == 0.0, got
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "preset_model 'mixtral' matches no MoE block of LlamaForCausalLM" in got["no_block"]

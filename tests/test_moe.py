@@ -99,6 +99,14 @@ def test_load_pretrained_fills_each_ranks_experts(run):
         assert got["missing"] == [] and got["unexpected"] == [] and got["weights"] == 0.0
 
 
+def test_frozen_split_experts_are_saved_under_their_global_names(run):
+    """Frozen experts split over 2 ranks: the checkpoint (and save_16bit_model) holds every
+    one; loaded into a model holding all of them, each is the saving engine's."""
+    for rank in range(WORLD):
+        got = result(run, "frozen_experts", rank)
+        assert got["names"] and got["weights"] == 0.0
+
+
 def test_what_split_experts_do_not_compose_with_is_refused_by_name(run):
     got = result(run, "refusals", 0)
     assert "DeepCompile with expert-parallel MoE layers" in got["deepcompile"]

@@ -21,7 +21,7 @@ import torch
 
 from .. import comm
 from ..state import TrainingParts
-from ..layout import layout_of, shard_range
+from ..layout import shard_range
 from . import _engine_state as engine_state
 from . import _mesh_values as mesh
 from ._client_state import pickle_objects, split_client_state
@@ -50,7 +50,6 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
                exclude_frozen: bool, copy: bool = False) -> Staged:
     client_json, client_tensors, client_objects = split_client_state(client_state)
     rank = comm.get_rank()
-    _refuse_frozen_experts(parts, exclude_frozen)
     trainables = engine_state.trainables(parts)
     tensors, ranges = _model_tensors(parts, trainables, exclude_frozen)
     tensors.update({f"client/{k}": v for k, v in client_tensors.items()})
@@ -64,15 +63,6 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
                             "objects": sorted(map(str, client_objects))}}
     meta = describe(parts, trainables, exclude_frozen) if rank == 0 else None
     return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects), ranges)
-
-
-def _refuse_frozen_experts(parts: TrainingParts, exclude_frozen: bool) -> None:
-    frozen = [n for n, p in engine_state.named_params(parts)
-              if not p.requires_grad and layout_of(p).expert is not None]
-    if frozen and not exclude_frozen:
-        raise NotImplementedError(
-            f"save_checkpoint with frozen experts split over ranks ({frozen[:3]}) is not "
-            "provided: pass exclude_frozen_parameters=True, or unfreeze them.")
 
 
 def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
@@ -90,9 +80,10 @@ def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
         tensors.update(shard)
         lo, hi = shard_range(engine_state.numel(t.param), world, rank)
         ranges.update({key: [lo, hi] for key in shard})
-    # A frozen partitioned or tensor-parallel parameter is gathered: a collective that every
-    # rank joins.
-    if rank == 0 or engine_state.any_partitioned(parts) or engine_state.any_tp_split(parts):
+    # A frozen partitioned, tensor-parallel or expert parameter is gathered: a collective that
+    # every rank joins.
+    if rank == 0 or engine_state.any_partitioned(parts) or engine_state.any_tp_split(parts) \
+            or engine_state.any_split_expert(parts):
         whole = _whole_tensors(parts, trainables, exclude_frozen)
         if rank == 0:
             tensors.update(whole)
@@ -153,7 +144,9 @@ def _whole_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
         for name, p in engine_state.named_params(parts):
             if name not in trainables:
                 local = engine_state.param_range(p, 0, engine_state.local_numel(p))
-                out[f"param/{name}"] = mesh.unsplit(local, p)
+                names = engine_state.saved_names(name, p)  # an expert on each rank's
+                for saved, full in zip(names, mesh.over_experts(mesh.unsplit(local, p), p)):
+                    out[f"param/{saved}"] = full
     for name, b in engine_state.named_buffers(parts):
         out[f"buffer/{name}"] = b.detach().reshape(-1)
     return out
