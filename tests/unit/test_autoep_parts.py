@@ -55,3 +55,21 @@ def test_split_experts_on_one_rank_are_the_models_experts():
     x = torch.randn(10, 16)
     _, weights, index = block.module.gate(x)
     assert torch.allclose(split(x, index, weights), block.experts(x, index, weights), atol=1e-6)
+
+
+def test_a_slot_routed_nowhere_adds_nothing():
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2))
+    preset = parse_block({"enabled": True, "preset_model": "mixtral"}).preset
+    [block] = find_moe_blocks(model, preset)
+    split = SplitExperts(block.experts, preset, 4, expert_groups(1))
+    x = torch.randn(6, 16)
+    _, weights, index = block.module.gate(x)
+    nowhere, zero = index.clone(), weights.detach().clone()
+    nowhere[::2, 1] = 4  # the second slot of every other token goes nowhere: the same as
+    zero[::2, 1] = 0.0   # a slot whose weight is zero
+    assert torch.allclose(split(x, nowhere, weights), block.experts(x, index, zero), atol=1e-6)

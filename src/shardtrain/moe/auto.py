@@ -45,7 +45,8 @@ class SplitExperts(torch.nn.Module):
     """This rank's experts of one MoE block, stacked as the model's experts module stacks all
     of them (the same attribute names, so the parameters keep the model's names), called as
     it is: ``(hidden_states (tokens, hidden), top_k_index (tokens, k), top_k_weights (tokens,
-    k)) -> (tokens, hidden)``.
+    k)) -> (tokens, hidden)``; an index of ``num_experts`` routes its slot nowhere (as
+    transformers' eager experts loop skips it).
 
     Args:
         experts: the model's experts module (every expert).
@@ -88,9 +89,11 @@ class SplitExperts(torch.nn.Module):
         k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # the (token, slot) pairs by expert
-        tokens = order // k
-        counts = torch.bincount(chosen, minlength=self.num_experts)
+        # an index of num_experts (a slot routed nowhere) sorts last and is left out
+        counts = torch.bincount(chosen, minlength=self.num_experts + 1)[:self.num_experts]
         sent = _sizes(self.groups, counts)
+        order = order[:sum(sent.to_ranks)]
+        tokens = order // k
         rows = _exchange(hidden_states[tokens], self.groups.ep, sent.to_ranks, sent.from_ranks)
         # what arrived, source rank by source rank, each in its expert order: by expert
         local = torch.repeat_interleave(
