@@ -248,6 +248,9 @@ def case_checkpoint(saved_with, loads, tp: int = 1) -> Callable[[int, int], Dict
                                          engine.module.named_parameters() if "experts" in n}}
         engine.save_checkpoint(root, tag="two")
         engine.save_16bit_model(root, "model.safetensors")  # the experts joined
+        whole = engine._consolidated_16bit_state_dict()  # Accelerate's call: rank 0's
+        out["consolidated"] = None if whole is None else \
+            {n: list(v.shape) for n, v in whole.items() if ".experts." in n}
         engine.destroy()
         for name, ep, stage in loads:
             resumed = shardtrain.initialize(model=hf_model("mixtral"),

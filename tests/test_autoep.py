@@ -93,6 +93,12 @@ def test_checkpoints_describe_the_unsplit_model(run):
             assert got[name] == pytest.approx(got["ref_losses"][2], abs=ATOL), name
         for key in ("weights", "16bit"):  # consolidated; engine.save_16bit_model's file
             assert got[key][0] and got[key][1] < ATOL, key
+        # DeepSpeed's _consolidated_16bit_state_dict: every expert, on rank 0 only
+        want = {"model.layers.0.mlp.experts.gate_up_proj": [4, 96, 32],
+                "model.layers.0.mlp.experts.down_proj": [4, 32, 48]}
+        got_shapes = got["consolidated"]
+        assert (got_shapes is None) == (rank != 0)
+        assert rank != 0 or all(got_shapes[n] == s for n, s in want.items())
 
 
 def test_four_ranks_ep2_by_expert_data_parallel_2_and_ep4(run4):

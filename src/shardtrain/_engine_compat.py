@@ -255,11 +255,14 @@ class DeepSpeedEngineAPI:
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                        ) -> Optional[Dict[str, torch.Tensor]]:
         """DeepSpeed's general name: the full weights on rank 0 (None elsewhere) where they
-        are partitioned (stage 3 or tensor parallelism); a ValueError otherwise, as there."""
-        if self.zero_optimization_stage() != 3 and self.mesh.tp.size() == 1:
+        are partitioned (stage 3, tensor parallelism, or experts split over ranks); a
+        ValueError otherwise, as there."""
+        if self.zero_optimization_stage() != 3 and self.mesh.tp.size() == 1 \
+                and self._experts is None:
             raise ValueError("_consolidated_16bit_state_dict() applies where weights are "
-                             "partitioned (ZeRO stage 3 or tensor parallelism); at stage "
-                             f"{self.zero_optimization_stage()} read engine.module.state_dict()")
+                             "partitioned (ZeRO stage 3, tensor parallelism or experts split "
+                             f"over ranks); at stage {self.zero_optimization_stage()} read "
+                             "engine.module.state_dict()")
         return _full_weights_on_rank_0(self.module, exclude_frozen_parameters)
 
     def is_deepcompile_enabled(self) -> bool:
