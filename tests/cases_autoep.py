@@ -316,6 +316,28 @@ def case_pretrained(rank: int, world: int) -> Dict[str, Any]:
             "stacked_read": sum(v for n, v in stacked_reads.items() if ".experts." in n)}
 
 
+def case_zero_init(rank: int, world: int) -> Dict[str, Any]:
+    """The ZeRO-3 way to a large model (the HF Trainer's at stage 3): built under zero.Init
+    (every weight partitioned from the start), filled by load_pretrained from a directory in
+    the Hub's layout, then split by AutoEP (each rank gathers the experts it keeps): one
+    process's training."""
+    from shardtrain.pretrained import load_pretrained
+    root = comm.broadcast_object(tempfile.mkdtemp(prefix="autoep-init-") if rank == 0 else "")
+    if rank == 0:
+        hf_model("mixtral").save_pretrained(root)
+    comm.barrier()
+    config = _config("mixtral", 3, world)
+    with shardtrain.zero.Init(config_dict_or_path=config):
+        model = hf_model("mixtral")
+    load_pretrained(model, root)
+    engine = shardtrain.initialize(model=model, config=config)[0]
+    data = _batches(world)
+    losses, norms = _train(engine, data, rank, world)
+    engine.destroy()
+    ref_losses, ref_norms, _ = one_process("mixtral", data, world)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms}
+
+
 def _saved_names(root: str):
     from safetensors import safe_open
     with safe_open(f"{root}/model.safetensors", "pt") as f:
@@ -511,7 +533,7 @@ def all_cases(rank: int, world_size: int, ds_checkpoint: str = "") -> Dict[str, 
                  deepspeed_s1=case_deepspeeds_losses(1), deepspeed_s2=case_deepspeeds_losses(2),
                  deepspeed_s2_rule=case_deepspeeds_losses(2, rule=True),
                  deepspeed_checkpoint=case_deepspeed_checkpoint(ds_checkpoint),
-                 frozen_experts=case_frozen_experts,
+                 frozen_experts=case_frozen_experts, zero_init=case_zero_init,
                  bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)

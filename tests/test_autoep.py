@@ -196,6 +196,15 @@ def test_frozen_split_experts_are_saved_whole_and_load_anywhere(run):
         assert got["split_s1"] == 0.0 and got["whole_s3"] == 0.0, got
 
 
+def test_a_model_built_under_zero_init(run):
+    """Built under zero.Init, filled from a Hub-layout directory, split by AutoEP at ZeRO-3:
+    one process's losses and clipped norms."""
+    for rank in range(2):
+        got = result(run, "zero_init", rank)
+        assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+        assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "preset_model 'mixtral' matches no MoE block of LlamaForCausalLM" in got["no_block"]

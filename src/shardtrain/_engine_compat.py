@@ -258,7 +258,7 @@ class DeepSpeedEngineAPI:
         are partitioned (stage 3, tensor parallelism, or experts split over ranks); a
         ValueError otherwise, as there."""
         if self.zero_optimization_stage() != 3 and self.mesh.tp.size() == 1 \
-                and self._experts is None:
+                and self.parallelism.experts is None:
             raise ValueError("_consolidated_16bit_state_dict() applies where weights are "
                              "partitioned (ZeRO stage 3, tensor parallelism or experts split "
                              f"over ranks); at stage {self.zero_optimization_stage()} read "

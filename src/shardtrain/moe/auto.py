@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..layout import ExpertSplit, layout_of, place
+from ..zero import values
 from ._auto_config import PRESETS, AutoEPConfig, Preset, parse_block
 from ._groups import ExpertGroups, expert_groups
 
@@ -65,7 +66,9 @@ class SplitExperts(torch.nn.Module):
         split = ExpertSplit(None, self.num_local, groups.ep_size, groups.ep_rank)
         for name in filter(None, self.names):
             whole = getattr(experts, name)  # with AutoTP: this rank's slice of each expert
-            mine = torch.nn.Parameter(whole.detach()[first:first + self.num_local].clone(),
+            # built under zero.Init: gathered (a collective, every rank in the same order)
+            value = values.read_whole(whole).view(layout_of(whole).local_shape)
+            mine = torch.nn.Parameter(value[first:first + self.num_local].clone(),
                                       requires_grad=whole.requires_grad)
             # DeepSpeed's marks of an expert parameter (its ZeRO groups and optimizer groups)
             mine.allreduce, mine.group_name = False, groups.name
@@ -74,11 +77,12 @@ class SplitExperts(torch.nn.Module):
                   expert_groups=(groups.ep, groups.edp))
             self.register_parameter(name, mine)
         self.act_fn = getattr(experts, "act_fn", None) or F.silu
-        # AutoTP's entry into and exit from the tensor-parallel group, when it split them
-        self._forward_pre_hooks.update(experts._forward_pre_hooks)
-        self._forward_pre_hooks_with_kwargs.update(experts._forward_pre_hooks_with_kwargs)
-        self._forward_hooks.update(experts._forward_hooks)
-        self._forward_hooks_with_kwargs.update(experts._forward_hooks_with_kwargs)
+        if any(layout_of(p).tp is not None for p in self.parameters()):
+            # AutoTP's entry into and exit from the tensor-parallel group, which split them
+            self._forward_pre_hooks.update(experts._forward_pre_hooks)
+            self._forward_pre_hooks_with_kwargs.update(experts._forward_pre_hooks_with_kwargs)
+            self._forward_hooks.update(experts._forward_hooks)
+            self._forward_hooks_with_kwargs.update(experts._forward_hooks_with_kwargs)
 
     def extra_repr(self) -> str:
         return (f"experts {self.groups.ep_rank * self.num_local}.."
@@ -216,10 +220,11 @@ def _check_experts(name: str, experts: torch.nn.Module, preset: Preset) -> int:
     if extra:
         raise NotImplementedError(f"{where} have parameters {extra} besides {weights}: experts "
                                   "with biases or other weights are not provided.")
-    counts = {own[w].shape[0] for w in weights}
-    if len(counts) != 1 or any(own[w].dim() != 3 for w in weights):
+    shapes = {w: layout_of(own[w]).full_shape for w in weights}  # partitioned: the whole's
+    counts = {shape[0] for shape in shapes.values() if shape}
+    if len(counts) != 1 or any(len(shape) != 3 for shape in shapes.values()):
         raise ValueError(f"{where}: {weights} are not all of shape (num_experts, out, in): "
-                         f"{ {w: tuple(own[w].shape) for w in weights} }.")
+                         f"{shapes}.")
     params = list(inspect.signature(experts.forward).parameters)
     if len(params) != 3:
         raise ValueError(f"{where} are called with {params}; AutoEP replaces experts called as "

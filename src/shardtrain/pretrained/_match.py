@@ -74,8 +74,8 @@ def match(module: torch.nn.Module, files: WeightFiles) -> Match:
         t.source = next((n for n in t.names if n in files.tensors), None)
         if t.source is None:  # a Hub checkpoint: Mixtral's block name, experts one by one
             t.source = next((r for n in t.names for r in [renamed(n, files.tensors)] if r), None)
-        if t.source is None and t.tensor.dim() == 3:
-            experts = layout_of(t.tensor).full_shape[0]
+        if t.source is None and len(t.full_shape) == 3:  # partitioned: the whole's shape
+            experts = t.full_shape[0]
             t.parts = next((p for n in t.names
                             for p in [per_expert_sources(n, experts, files.tensors)] if p), None)
             t.source = t.parts[0][0] if t.parts else None
