@@ -52,6 +52,19 @@ def build_pretrained(path: Path) -> Path:
     return path
 
 
+def build_pretrained_mixtral(path: Path) -> Path:
+    """A 2-layer Mixtral of 4 experts (top-2), saved as ``from_pretrained`` reads it (the
+    Hub's layout: each expert apart)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=hf_trainer_job.SEQ, num_local_experts=4,
+                           num_experts_per_tok=2)
+    MixtralForCausalLM(config).save_pretrained(str(path))
+    return path
+
+
 def client_job(script: str, out: Path, args: List[str], timeout: float = 240) -> Dict:
     """Runs ``scripts/<script>`` on WORLD ranks through torchrun; returns its result.json
     (written by rank 0) with the job's output under ``"output"``."""
@@ -73,10 +86,10 @@ def reference(pretrained: str, schedule: Optional[str]) -> Tuple[List[float], Di
     """Losses and final weights of plain single-process training; ``schedule`` is None
     (constant lr), ``"linear"`` (the Trainer's default) or ``"warmup_decay"`` (DeepSpeed's
     WarmupDecayLR with the values the Trainer fills in for "auto")."""
-    from transformers import GPT2LMHeadModel, get_linear_schedule_with_warmup
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
     from shardtrain.optim import WarmupDecayLR
-    model = GPT2LMHeadModel.from_pretrained(pretrained)
+    model = AutoModelForCausalLM.from_pretrained(pretrained)
     data = hf_trainer_job.Tokens(SAMPLES, model.config.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.0)

@@ -420,6 +420,25 @@ def _mean_of(loss: torch.Tensor, world: int) -> float:
     return mean.item() / world
 
 
+def case_client_optimizer(rank: int, world: int) -> Dict[str, Any]:
+    """The optimizer built from the model's parameters before initialize (the HF Trainer's
+    way): AutoEP puts this rank's experts in new parameters, which the optimizer is pointed
+    at; training is one process's."""
+    model = hf_model("mixtral")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    config = _config("mixtral", 2, world)
+    del config["optimizer"]
+    engine = shardtrain.initialize(model=model, optimizer=optimizer, config=config)[0]
+    data = _batches(world)
+    losses, norms = _train(engine, data, rank, world)
+    got = full_state(engine)
+    engine.destroy()
+    ref_losses, ref_norms, ref = one_process("mixtral", data, world)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+            "names": set(ref) <= set(got),
+            "weights": max((got[n] - ref[n]).abs().max().item() for n in ref)}
+
+
 def case_frozen_experts(rank: int, world: int) -> Dict[str, Any]:
     """Fine-tuning with the experts frozen (split over 2 ranks, ZeRO-2): the checkpoint holds
     them whole; an engine whose experts start elsewhere loads them back, split (ZeRO-1) or not
@@ -534,6 +553,7 @@ def all_cases(rank: int, world_size: int, ds_checkpoint: str = "") -> Dict[str, 
                  deepspeed_s2_rule=case_deepspeeds_losses(2, rule=True),
                  deepspeed_checkpoint=case_deepspeed_checkpoint(ds_checkpoint),
                  frozen_experts=case_frozen_experts, zero_init=case_zero_init,
+                 client_optimizer=case_client_optimizer,
                  bf16_dense=case_engine("mixtral", 2, None, bf16=True),
                  refusals=case_refusals)
     return run_cases(cases, rank, world_size)

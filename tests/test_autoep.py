@@ -34,11 +34,12 @@ def _same_training(got):
 
 @pytest.mark.parametrize("name", ["mixtral_s0", "mixtral_s1", "mixtral_s2", "mixtral_s3",
                                   "qwen2_moe_s2", "qwen3_moe_s1", "deepseek_v3_s3",
-                                  "custom_s2"])
+                                  "custom_s2", "client_optimizer"])
 def test_autoep_trains_as_the_unsplit_model_in_one_process(run, name):
     """Dropless routing by the model's own router: losses (with its router-auxiliary loss),
     clipped global norms and every weight of the unsplit model (experts joined over the
-    ranks) equal one process's on the global batch."""
+    ranks) equal one process's on the global batch; also with the optimizer built from the
+    model's parameters before initialize (pointed at this rank's new expert parameters)."""
     for rank in range(2):
         _same_training(result(run, name, rank))
 

@@ -9,7 +9,8 @@ with DeepSpeed's optimizer and WarmupDecayLR blocks, the model coming from ``fro
 under ``zero.Init`` (weights loaded into the shards). Each job is checked against plain
 single-process PyTorch on the same global batches (losses and final weights, fp32, 1e-5);
 ``resume_from_checkpoint`` from the step-3 checkpoint must give the uninterrupted run's
-losses and weights; ``save_model``'s files must load with ``from_pretrained``.
+losses and weights; ``save_model``'s files must load with ``from_pretrained``. A Mixtral job
+adds DeepSpeed's ``expert_parallel`` block (AutoEP) at ZeRO-3.
 """
 from __future__ import annotations
 
@@ -84,6 +85,34 @@ def test_trainer_checkpoints_are_deepspeed_shaped_and_resume_exactly(runs, name)
     a = GPT2LMHeadModel.from_pretrained(str(root / name / "final")).state_dict()
     b = GPT2LMHeadModel.from_pretrained(str(root / f"{name}-resumed" / "final")).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.fixture(scope="module")
+def autoep_run(tmp_path_factory):
+    cl.require_alias()
+    root = tmp_path_factory.mktemp("hf-trainer-autoep")
+    cl.build_pretrained_mixtral(root / "pretrained")
+    args = ["--pretrained", str(root / "pretrained"), "--stage", "3", "--steps", str(cl.STEPS),
+            "--save-steps", str(cl.STEPS), "--micro", str(cl.MICRO), "--gas", str(cl.GAS),
+            "--samples", str(cl.SAMPLES), "--autoep", "2"]
+    return root, cl.client_job("hf_trainer_job.py", root / "run", args)
+
+
+def test_trainer_with_autoep_trains_a_mixtral_like_one_process(autoep_run):
+    """A Mixtral from the Hub's layout, built under zero.Init (ZeRO-3), its experts split over
+    the 2 ranks by the config's expert_parallel block: the Trainer's losses are one process's,
+    and save_model writes every expert (loaded back by from_pretrained: the one-process
+    weights)."""
+    from transformers import MixtralForCausalLM
+    root, got = autoep_run
+    losses, weights = cl.reference(str(root / "pretrained"), "linear")
+    logged = [got["losses"][str(k + 1)] for k in range(cl.STEPS)]
+    assert logged == pytest.approx(losses, abs=cl.ATOL), (logged, losses)
+    assert got["built_under_zero_init"] is True
+    saved = MixtralForCausalLM.from_pretrained(str(root / "run" / "final")).state_dict()
+    assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    bad = [n for n, w in weights.items() if not cl.close(saved[n], w)]
+    assert not bad, bad
 
 
 def test_zero3_from_pretrained_builds_the_model_already_partitioned(runs):

@@ -92,10 +92,15 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self._scaler: LossScaler = build_loss_scaler(config, self._precision)
         self.mesh = build_mesh(config, mpu)
         self._build_module()
+        before = dict(self.module.named_parameters())
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
         # mixture-of-experts layers: their expert-parallel groups (None: no layer split)
         self._experts: Optional[ExpertGroups] = wire_experts(
             self.module, self.mesh, config.expert_parallel)
+        # AutoTP and AutoEP put new parameters (this rank's slices) under the old names: an
+        # optimizer or parameter groups built before initialize are pointed at them
+        self._replaced = {id(old): new for name, new in self.module.named_parameters()
+                          for old in [before.get(name)] if old is not None and old is not new}
         if self._experts is not None:
             comm.broadcast_coalesced(split_experts(self.module), group=self._experts.replicas)
             self._parallel.experts = self._experts  # engine.mpu's expert-parallel lookups
@@ -143,10 +148,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                  + list(self.module.buffers()))
 
     def _build_optimizer(self, optimizer: OptimizerArg, model_parameters):
-        params = list(model_parameters) if model_parameters is not None \
+        params = self._current(list(model_parameters)) if model_parameters is not None \
             else list(self.module.parameters())
         if isinstance(optimizer, torch.optim.Optimizer):
             built = optimizer
+            for group in built.param_groups:
+                group["params"] = self._current(group["params"])
         elif callable(optimizer):
             built = optimizer(params)
         elif optimizer is not None:
@@ -163,6 +170,21 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         if isinstance(built, MuonWithAuxAdam):
             self._bind_muon(built, muon)
         return built
+
+    def _current(self, params: list) -> list:
+        """``params`` (parameters, or parameter groups as dicts) with the parameters AutoTP or
+        AutoEP replaced by the new ones under their names."""
+        if not self._replaced:
+            return params
+        out = []
+        for item in params:
+            if isinstance(item, dict) and "params" in item:
+                group = list(item["params"]) if not isinstance(item["params"], torch.Tensor) \
+                    else [item["params"]]
+                out.append({**item, "params": [self._replaced.get(id(p), p) for p in group]})
+            else:
+                out.append(self._replaced.get(id(item), item))
+        return out
 
     def _bind_muon(self, optimizer: MuonWithAuxAdam, muon: set) -> None:
         """Muon orthogonalises whole matrices: it learns which slice of each it holds (the

@@ -8,6 +8,10 @@ its weights are loaded into the shards. Rank 0 writes what the Trainer logged to
 
     python -m torch.distributed.run --nproc-per-node 2 hf_trainer_job.py \
         --pretrained DIR --out DIR --stage 2 --steps 6 --save-steps 3 [--ds-blocks] [--resume DIR]
+        [--autoep N]
+
+``--autoep N`` adds DeepSpeed's ``expert_parallel`` block (AutoEP, the preset of the model's
+``model_type``): the experts of a MoE model split over N ranks.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import json
 import os
 
 import torch
-from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import deepspeed
 
@@ -38,11 +42,13 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": labels}
 
 
-def ds_config(stage: int, ds_blocks: bool) -> dict:
+def ds_config(stage: int, ds_blocks: bool, autoep: int = 0) -> dict:
     """The Transformers guide's shape of config: "auto" wherever the Trainer decides."""
     config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
               "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"}}
+    if autoep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": autoep}
     if stage == 3:
         config["zero_optimization"].update({
             "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
@@ -68,13 +74,14 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--ds-blocks", action="store_true")
     p.add_argument("--resume", default=None)
+    p.add_argument("--autoep", type=int, default=0)
     a = p.parse_args()
     args = TrainingArguments(
-        output_dir=a.out, deepspeed=ds_config(a.stage, a.ds_blocks), use_cpu=True,
+        output_dir=a.out, deepspeed=ds_config(a.stage, a.ds_blocks, a.autoep), use_cpu=True,
         per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.gas,
         max_steps=a.steps, save_steps=a.save_steps, logging_steps=1, learning_rate=1e-3,
         train_sampling_strategy="sequential", report_to=[], disable_tqdm=True, seed=0)
-    model = GPT2LMHeadModel.from_pretrained(a.pretrained)
+    model = AutoModelForCausalLM.from_pretrained(a.pretrained)
     forwards = []  # training forwards this process ran (a resumed job runs only the rest)
     model.register_forward_pre_hook(lambda m, args: forwards.append(1) if m.training else None)
     trainer = Trainer(model=model, args=args,
