@@ -460,10 +460,36 @@ def mesh_contract(rank: int, world_size: int, save_dir: str) -> Dict[str, Any]:
     cases["bf16_dp2xsp2_bf16_wire"] = lambda r, w: compare(llama, config(
         2, sequence_parallel_size=2, seq_parallel_communication_data_type="bf16", **bf16), steps=1)
     cases["clip_with_mpu"] = lambda r, w: _clip_with_mpu(llama_tp4)
+    cases["client_optimizer"] = lambda r, w: _client_optimizer(llama_tp4, config(
+        1, gas=1, tensor_parallel={"autotp_size": 2}))
     for stage in (1, 3):  # both model-parallel dimensions: heads split by TP, then by SP
         cases[f"tp2xsp2_stage{stage}"] = (lambda r, w, s=stage: compare(llama_tp4, config(
             s, tensor_parallel={"autotp_size": 2}, sequence_parallel_size=2)))
     return run_cases(cases, rank, world_size)
+
+
+def _client_optimizer(build: Callable[[], torch.nn.Module], cfg: Dict[str, Any]
+                      ) -> Dict[str, List[float]]:
+    """The same training with the config's optimizer and with one built from the model's
+    parameters before initialize (AutoTP replaces the split ones: it must be pointed at
+    them)."""
+    out = {}
+    for name in ("config", "client"):
+        model, init, run = build(), {}, dict(cfg)
+        if name == "client":
+            init["optimizer"] = torch.optim.AdamW(model.parameters(), **run.pop("optimizer")["params"])
+        engine = shardtrain.initialize(model=model, config=run, **init)[0]
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        out[name] = losses
+    return out
 
 
 def _clip_with_mpu(build: Callable[[], torch.nn.Module]) -> Dict[str, Any]:

@@ -232,6 +232,15 @@ def test_pretrained_weights_load_into_a_tensor_parallel_engine(contract, case):
         assert result["loss_err"] < 1e-5, (rank, result)
 
 
+def test_an_optimizer_built_before_initialize_trains_the_split_weights(contract):
+    """dp 2 x tp 2: an optimizer built from the model's parameters before initialize (the HF
+    Trainer's way) is pointed at AutoTP's slices, and trains as the config's optimizer does."""
+    for rank, got in enumerate(contract):
+        case = got["client_optimizer"]
+        assert "error" not in case, case.get("error")
+        assert case["client"] == case["config"], (rank, case)
+
+
 def test_deepspeeds_clip_grad_norm_with_mpu_measures_the_whole_model(contract):
     """``deepspeed.runtime.utils.clip_grad_norm_(params, max, mpu=engine.mpu)`` on dp 2 x tp 2:
     the 2-norm and the inf-norm are the unsplit model's on the global batch (split slices add
