@@ -114,6 +114,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                      level=logging.WARNING)
         self._strategy: StrategyProtocol = self._build_strategy(trainable)
         self.optimizer = self._build_optimizer(optimizer, model_parameters)
+        self._replaced = {}  # by id, of objects about to be freed: not to be read again
         lend_state_moves(self)  # DeepSpeed's optimizer.offload_states()/reload_states()
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
