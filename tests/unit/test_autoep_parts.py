@@ -41,7 +41,9 @@ def test_stacked_experts_record_the_unsplit_shape():
     assert ExpertSplit(None, 2, 4, 3).global_name("m.experts.down_proj") == "m.experts.down_proj"
 
 
-def test_split_experts_on_one_rank_are_the_models_experts():
+def _mixtral_block():
+    """A one-layer Mixtral's MoE block and the same experts split over one rank (every expert
+    local), with 4 experts of hidden size 16."""
     import transformers as tf
     torch.manual_seed(0)
     model = tf.MixtralForCausalLM(tf.MixtralConfig(
@@ -50,23 +52,19 @@ def test_split_experts_on_one_rank_are_the_models_experts():
         num_experts_per_tok=2))
     preset = parse_block({"enabled": True, "preset_model": "mixtral"}).preset
     [block] = find_moe_blocks(model, preset)
+    return block, SplitExperts(block.experts, preset, 4, expert_groups(1))
+
+
+def test_split_experts_on_one_rank_are_the_models_experts():
+    block, split = _mixtral_block()
     assert block.name == "model.layers.0.mlp" and block.num_experts == 4
-    split = SplitExperts(block.experts, preset, 4, expert_groups(1))
     x = torch.randn(10, 16)
     _, weights, index = block.module.gate(x)
     assert torch.allclose(split(x, index, weights), block.experts(x, index, weights), atol=1e-6)
 
 
 def test_a_slot_routed_nowhere_adds_nothing():
-    import transformers as tf
-    torch.manual_seed(0)
-    model = tf.MixtralForCausalLM(tf.MixtralConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-        num_experts_per_tok=2))
-    preset = parse_block({"enabled": True, "preset_model": "mixtral"}).preset
-    [block] = find_moe_blocks(model, preset)
-    split = SplitExperts(block.experts, preset, 4, expert_groups(1))
+    block, split = _mixtral_block()
     x = torch.randn(6, 16)
     _, weights, index = block.module.gate(x)
     nowhere, zero = index.clone(), weights.detach().clone()
