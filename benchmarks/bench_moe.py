@@ -10,7 +10,9 @@ same global batches, on W processes (gloo, CPU by default), AdamW, ZeRO stage 2 
 * ``dense``: ``ep_size`` 1, every rank holds and updates every expert (data parallelism);
 * ``leaf3``: ``ep_size`` 1 at ZeRO-3, each MoE layer a leaf module, gathered whole when it
   runs (how a model's own MoE block trains without expert parallelism);
-* ``ep<N>``: ``ep_size`` N, each rank holds E/N experts; tokens travel by all-to-all.
+* ``ep<N>``: ``ep_size`` N, each rank holds E/N experts; tokens travel by all-to-all;
+* ``ddp``: torch's ``DistributedDataParallel`` on the model with every expert, torch's AdamW
+  and clipping (the same training as ``dense``): the baseline of the "vs DDP" ratios.
 
 With ``--model mixtral`` the model is transformers' ``MixtralForCausalLM`` (a few million
 parameters: 4 layers of 8 experts, hidden 128, top-2) and ``ep<N>`` is AutoEP
@@ -79,6 +81,7 @@ def setups(world: int) -> Dict[str, Dict[str, int]]:
     for ep in (2, 4, 8):
         if ep <= world and world % ep == 0:
             out[f"ep{ep}"] = {"ep": ep, "stage": 2}
+    out["ddp"] = {"ep": 1, "stage": 0, "ddp": True}  # torch's own, the baseline of the ratios
     return out
 
 
@@ -153,6 +156,8 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
     import shardtrain
     from shardtrain import comm
     shardtrain.init_distributed()
+    if setup.get("ddp"):
+        return _ddp_worker(rank, world, args, fields, name, queue)
     config = {"train_micro_batch_size_per_gpu": args.micro,
               "zero_optimization": {"stage": setup["stage"]},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -168,11 +173,8 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
     comm.add_observer(counter, with_group=True)
     model = build_mixtral(fields) if mixtral else build(fields, setup["ep"])
     engine, *_ = shardtrain.initialize(model=model, config=config)
-    g = torch.Generator().manual_seed(1)
     times, losses = [], []
-    for step in range(args.steps + 1):
-        rows = torch.randint(0, fields["vocab"], (world * args.micro, args.seq + 1), generator=g)
-        mine = rows[rank * args.micro:(rank + 1) * args.micro]
+    for step, mine in enumerate(_batches(args, fields, world, rank)):
         counter.on = step > 0  # the first step warms up
         start = time.perf_counter()
         if mixtral:  # the model shifts its labels itself
@@ -197,6 +199,44 @@ def _worker(rank, world, port, args, fields, name, setup, queue):
     shardtrain.destroy()
 
 
+def _batches(args, fields, world: int, rank: int):
+    """Each step's micro-batch of this rank (the same stream for every setup)."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(args.steps + 1):
+        rows = torch.randint(0, fields["vocab"], (world * args.micro, args.seq + 1), generator=g)
+        yield rows[rank * args.micro:(rank + 1) * args.micro]
+
+
+def _ddp_worker(rank, world, args, fields, name, queue):
+    """torch's DistributedDataParallel on the model with every expert on every rank, AdamW
+    (DeepSpeed's defaults the engine's setups use: lr 1e-3, weight decay 0.01) and clipping at
+    1.0 (the engine's default): the same training as ``dense``."""
+    import shardtrain
+    mixtral = bool(fields.get("mixtral"))
+    model = build_mixtral(fields) if mixtral else build(fields, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    times, losses = [], []
+    for step, mine in enumerate(_batches(args, fields, world, rank)):
+        start = time.perf_counter()
+        if mixtral:
+            loss = ddp(input_ids=mine[:, :-1], labels=mine[:, :-1]).loss
+        else:
+            loss = ddp(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if step > 0:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    params = sum(p.numel() for p in model.parameters())
+    if rank == 0:  # fp32 parameters, gradients and Adam's two moments; DDP all-reduces the
+        queue.put({"name": name, "times": times, "losses": losses,  # gradients
+                   "states": {"total": 16 * params}, "bytes": {"world": 4 * params}})
+    shardtrain.destroy()
+
+
 def report(fields, args, results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     tokens = args.micro * args.seq
     kind = "Mixtral (AutoEP)" if fields.get("mixtral") else "shardtrain.moe.MoE"
@@ -204,8 +244,9 @@ def report(fields, args, results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
           f"{fields['hidden']}; {args.world} ranks x {args.micro} x {args.seq} tokens; "
           f"torch {torch.__version__}")
     base = statistics.median(results[0]["times"])
+    ddp = next((statistics.median(r["times"]) for r in results if r["name"] == "ddp"), None)
     rows = []
-    print(f"  {'setup':7} {'step ms':>8} {'vs dense':>8} {'states KiB':>10} "
+    print(f"  {'setup':7} {'step ms':>8} {'vs dense':>8} {'vs DDP':>7} {'states KiB':>10} "
           f"{'all-to-all KiB':>14} {'analytic':>9} {'other KiB':>10}  loss")
     for r in results:
         t = statistics.median(r["times"])
@@ -213,16 +254,20 @@ def report(fields, args, results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         ep = int(r["name"][2:]) if r["name"].startswith("ep") else 1
         other = sum(r["bytes"].values()) - a2a
         expect = analytic_all_to_all(fields, tokens) if ep > 1 else 0
-        print(f"  {r['name']:7} {t * 1e3:8.1f} {t / base:8.3f} {r['states']['total'] / 1024:10.0f} "
+        vs_ddp = f"{t / ddp:7.3f}" if ddp else f"{'-':>7}"
+        print(f"  {r['name']:7} {t * 1e3:8.1f} {t / base:8.3f} {vs_ddp} "
+              f"{r['states']['total'] / 1024:10.0f} "
               f"{a2a / 1024:14.0f} {expect / 1024:9.0f} {other / 1024:10.0f}  "
               f"{r['losses'][-1]:.4f}")
-        rows.append({"setup": r["name"], "step_s": t, "states": r["states"]["total"],
+        rows.append({"setup": r["name"], "step_s": t, "vs_ddp": t / ddp if ddp else None,
+                     "states": r["states"]["total"],
                      "all_to_all": a2a, "analytic": expect, "other": other,
                      "losses": r["losses"]})
     print("  states: this rank's parameters, gradients, masters and optimizer states; "
           "all-to-all: bytes a rank handed to the expert-parallel all-to-alls per step (the "
           "ranks' mean); "
-          "other: every other collective (gradient reduction, gathers, norms).")
+          "other: every other collective (gradient reduction, gathers, norms; for ddp the "
+          "gradients DDP all-reduces, its states fp32 parameters, gradients and Adam's).")
     return rows
 
 

@@ -117,8 +117,8 @@ def test_parallel_benchmark_smoke_run(tmp_path):
 @pytest.mark.parametrize("model", ["layer", "mixtral"])
 def test_moe_benchmark_smoke_run(tmp_path, model):
     """bench_moe.py on the tiny model (the MoE layer; transformers' Mixtral with AutoEP), 2
-    ranks: dense, leaf-module ZeRO-3 and ep2 train to the same losses, and ep2's all-to-all
-    moves exactly the analytic volume."""
+    ranks: dense, leaf-module ZeRO-3, ep2 and torch DDP train to the same losses, and ep2's
+    all-to-all moves exactly the analytic volume."""
     out = tmp_path / "moe.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_moe.py"), "--tiny", "--world", "2",
@@ -126,9 +126,12 @@ def test_moe_benchmark_smoke_run(tmp_path, model):
         text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["setup"] for r in rows] == ["dense", "leaf3", "ep2"]
-    for r in rows[1:]:
+    assert [r["setup"] for r in rows] == ["dense", "leaf3", "ep2", "ddp"]
+    for r in rows[1:3]:
         assert r["losses"] == pytest.approx(rows[0]["losses"], abs=1e-5)
+    # torch's DDP and AdamW: the same training, reduced and clipped in another order
+    assert rows[3]["losses"] == pytest.approx(rows[0]["losses"], abs=1e-4)
+    assert rows[3]["vs_ddp"] == 1.0 and rows[0]["vs_ddp"] > 0
     assert rows[2]["all_to_all"] == rows[2]["analytic"] > 0
     assert rows[2]["states"] < rows[0]["states"]
 
