@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -172,21 +172,30 @@ class _Experts:
             raise _UsageError(f"the model's MoE layers are built with ep_size {built}; "
                               f"--expert-parallel {split} must agree (or be left out).")
         ep = built[0] if built[0] > 1 else (split or 1)
-        whole = built[0] == 1  # the meta model holds every expert: this rank's is 1/ep
-        for m in layers:
-            if m.num_experts % ep:
-                raise _UsageError(f"--expert-parallel {ep} does not divide the {m.num_experts} "
-                                  "experts of a layer.")
+        params = [p for m in layers for p in m.deepspeed_moe.experts.parameters()]
+        # the meta model holds every expert (this rank's share is 1/ep), or this rank's
+        return cls._split(params, [(m.num_experts, "a layer") for m in layers], ep, zero,
+                          whole=built[0] == 1)
+
+    @classmethod
+    def _split(cls, params: List[torch.nn.Parameter], counts: List[Tuple[int, str]], ep: int,
+               zero: int, whole: bool) -> "_Experts":
+        """The experts ``params`` split over ``ep`` ranks (``whole``: the model holds every
+        expert, else one rank's); ``counts``: each layer's expert count and name."""
+        for experts, where in counts:
+            if experts % ep:
+                raise _UsageError(f"--expert-parallel {ep} does not divide the {experts} "
+                                  f"experts of {where}.")
         if zero % ep:
             raise _UsageError(f"--expert-parallel {ep} does not divide the {zero} ranks ZeRO "
                               "shards over.")
-        params = {id(p): p for m in layers for p in m.deepspeed_moe.experts.parameters()}
+        unique = {id(p): p for p in params}
         per_rank = (lambda p: p.numel() // ep) if whole else (lambda p: p.numel())
         unsplit = (lambda p: p.numel()) if whole else (lambda p: p.numel() * ep)
-        return cls(frozenset(params), total=sum(unsplit(p) for p in params.values()),
-                   total_trainable=sum(unsplit(p) for p in params.values() if p.requires_grad),
-                   local_trainable=sum(per_rank(p) for p in params.values() if p.requires_grad),
-                   local_frozen=sum(per_rank(p) for p in params.values() if not p.requires_grad),
+        return cls(frozenset(unique), total=sum(unsplit(p) for p in unique.values()),
+                   total_trainable=sum(unsplit(p) for p in unique.values() if p.requires_grad),
+                   local_trainable=sum(per_rank(p) for p in unique.values() if p.requires_grad),
+                   local_frozen=sum(per_rank(p) for p in unique.values() if not p.requires_grad),
                    ep=ep, shards=zero // ep)
 
     @classmethod
@@ -209,21 +218,8 @@ class _Experts:
                               "split.")
         if ep == 1 or not blocks:
             return cls(frozenset(), shards=zero)
-        for b in blocks:
-            if b.num_experts % ep:
-                raise _UsageError(f"--expert-parallel {ep} does not divide the {b.num_experts} "
-                                  f"experts of {b.name}.")
-        if zero % ep:
-            raise _UsageError(f"--expert-parallel {ep} does not divide the {zero} ranks ZeRO "
-                              "shards over.")
-        params = {id(p): p for b in blocks for p in b.experts.parameters()}
-        return cls(frozenset(params), total=sum(p.numel() for p in params.values()),
-                   total_trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-                   local_trainable=sum(p.numel() // ep for p in params.values()
-                                       if p.requires_grad),
-                   local_frozen=sum(p.numel() // ep for p in params.values()
-                                    if not p.requires_grad),
-                   ep=ep, shards=zero // ep)
+        return cls._split([p for b in blocks for p in b.experts.parameters()],
+                          [(b.num_experts, b.name) for b in blocks], ep, zero, whole=True)
 
 
 @dataclasses.dataclass(frozen=True)
