@@ -25,6 +25,8 @@ from .config import ConfigError, ShardConfig, load_config
 from .engine import Engine
 from .errors import InitializeError
 from .log import log_dist, log_dist_once
+from .pipe import PipelineModule
+from .pipeline_engine import PipelineEngine
 from .pretrained import load_pretrained
 
 __version__ = "0.1.0"
@@ -83,11 +85,19 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     dp = mpu.get_data_parallel_world_size() if mpu is not None and \
         hasattr(mpu, "get_data_parallel_world_size") else None
+    stages = model.topology().get_dim("pipe") if isinstance(model, PipelineModule) else 1
     cfg = config if isinstance(config, ShardConfig) else \
-        load_config(config, comm.get_world_size(), data_parallel_world_size=dp)
-    engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                    lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
-                    mpu=mpu)
+        load_config(config, comm.get_world_size() // stages, data_parallel_world_size=dp)
+    kind = Engine
+    if isinstance(model, PipelineModule):  # the batch counts the data-parallel ranks of a stage
+        model_axis = max(model.topology().get_dim("model"), 1)
+        if model_axis > 1 and cfg.tensor_parallel_size() == 1 and not isinstance(config, ShardConfig):
+            cfg = load_config(config, comm.get_world_size(),
+                              data_parallel_world_size=comm.get_world_size() // (stages * model_axis))
+        kind = PipelineEngine
+    engine = kind(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+                  lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn,
+                  mpu=mpu)
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = engine.local_rank  # DeepSpeed overwrites it with the env value too
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

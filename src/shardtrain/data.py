@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["ShardedDataLoader", "ResumableDistributedSampler", "epoch_order", "is_map_dataset"]
+__all__ = ["ShardedDataLoader", "ResumableDistributedSampler", "RepeatingLoader", "epoch_order",
+           "is_map_dataset"]
 
 
 def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
@@ -167,3 +168,26 @@ class ShardedDataLoader:
 def is_map_dataset(obj) -> bool:
     return isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
                                         and not isinstance(obj, torch.Tensor))
+
+
+class RepeatingLoader:
+    """Iterates ``loader`` for ever, starting it again each time it ends (DeepSpeed's
+    ``RepeatingLoader``: what ``engine.train_batch()`` pulls its micro-batches from); a
+    :class:`ShardedDataLoader` starts its next epoch's order each time."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            try:
+                return next(self.data_iter)
+            except StopIteration:
+                raise ValueError("RepeatingLoader: the loader yields no batches at all.") from None

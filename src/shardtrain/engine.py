@@ -90,7 +90,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
         self._precision = Precision.from_config(config, self.device.type)
         self._scaler: LossScaler = build_loss_scaler(config, self._precision)
-        self.mesh = build_mesh(config, mpu)
+        self.mesh = self._build_mesh(config, mpu)
         self._build_module()
         before = dict(self.module.named_parameters())
         self._parallel: Parallelism = parallelize(self.module, self.mesh, config)
@@ -129,6 +129,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
 
     # -- construction -----------------------------------------------------------------------
 
+    def _build_mesh(self, config: ShardConfig, mpu: Any) -> comm.Mesh:
+        return build_mesh(config, mpu)
+
     def _build_module(self) -> None:
         self.module.to(self.device)
         with torch.no_grad():
@@ -143,10 +146,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                 if b.is_floating_point():
                     b.data = b.data.to(buffer_dtype)
         # Replicas must start identical; rank 0's initialisation wins (split experts: within
-        # the ranks holding the same ones, once their groups exist).
+        # the ranks holding the same ones, once their groups exist; pipeline stages: within
+        # the stage, whose first rank's wins).
         split = {id(p) for p in split_experts(self.module)}
         comm.broadcast_coalesced([p for p in self.module.parameters() if id(p) not in split]
-                                 + list(self.module.buffers()))
+                                 + list(self.module.buffers()),
+                                 group=self.mesh.stage if self.mesh.sizes["pp"] > 1 else None)
 
     def _build_optimizer(self, optimizer: OptimizerArg, model_parameters):
         params = self._current(list(model_parameters)) if model_parameters is not None \
@@ -500,12 +505,12 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         checks = self._precision.on_nonfinite != "apply"
         if clip <= 0 and not self._precision.overflow_by_norm:  # a finiteness check suffices
             self._step.grad_norm = None
-            if not checks or self._strategy.all_finite(reduced, self.device):
+            if not checks or self._all_finite(reduced):
                 return False
             self._step.grad_norm = float("inf")
             self._report_nonfinite()
             return True
-        norm = self._strategy.global_norm(reduced, self.device)
+        norm = self._global_norm(reduced)
         norm_value = norm.item()  # the one host sync of the step
         reported = self.config.zero_optimization.compute_grad_norm
         self._step.grad_norm = norm_value if reported else None
@@ -517,6 +522,14 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         return False
+
+    def _global_norm(self, reduced: ReducedGrads) -> torch.Tensor:
+        """The norm of the whole model's gradient, the same on every rank."""
+        return self._strategy.global_norm(reduced, self.device)
+
+    def _all_finite(self, reduced: ReducedGrads) -> bool:
+        """Whether the whole model's gradient is finite, the same answer on every rank."""
+        return self._strategy.all_finite(reduced, self.device)
 
     def _report_nonfinite(self) -> None:
         """The gradients hold inf/NaN (the norm is global: every rank is here). Says on which

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 __all__ = ["StepOrderError", "UnusedParametersError", "GradientsUnavailableError",
-           "InitializeError", "CheckpointTagError"]
+           "InitializeError", "CheckpointTagError", "PipelineError"]
 
 
 class StepOrderError(RuntimeError, AssertionError):
@@ -44,3 +44,8 @@ class InitializeError(ValueError, AssertionError):
 class CheckpointTagError(ValueError, AssertionError):
     """Ranks passed different tags to ``save_checkpoint`` and
     ``checkpoint.tag_validation`` is ``"Fail"``."""
+
+
+class PipelineError(RuntimeError):
+    """A pipeline-parallel model used in a way its stages cannot run (DeepSpeed's
+    ``deepspeed.runtime.pipe.module.PipelineError``)."""

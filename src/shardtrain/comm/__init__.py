@@ -40,11 +40,11 @@ from __future__ import annotations
 
 from ._bounds import CollectiveBounds
 from ._divergence import CHECK_MODES, DivergenceError, check_agreement, check_mode, set_check
-from ._groups import (MESH_DIMS, WORLD, Group, Mesh, SideGroup, init_mesh, set_timeout,
-                      side_group, split_groups)
+from ._groups import (MESH_DIMS, PIPELINE_DIMS, WORLD, Group, Mesh, SideGroup, init_mesh,
+                      set_timeout, side_group, split_groups)
 from ._ops import (ReduceOp, Work, add_observer, all_gather, all_gather_object, all_reduce,
                    all_to_all_single, barrier, broadcast, broadcast_coalesced, broadcast_object,
-                   remove_observer, reduce_scatter, scatter)
+                   recv, remove_observer, reduce_scatter, scatter, send)
 from ._process import (FLIGHT_RECORDER_ENV, LaunchEnv, available_backends, before_destroy,
                        default_timeout, destroy, detect_launch_env, flight_recorder_prefix,
                        get_backend, get_local_rank, get_local_world_size, get_rank,
@@ -62,13 +62,13 @@ __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
     "get_local_rank", "get_local_world_size", "get_backend", "available_backends", "barrier",
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
-    "scatter", "all_to_all_single",
+    "scatter", "all_to_all_single", "send", "recv",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
     "split_groups", "CollectiveError", "DivergenceError", "set_position", "labelled", "mark",
     "set_check", "check_agreement", "set_timeout", "timeout_override", "default_timeout",
     "trail", "trail_dir", "keep_trail", "CHECK_MODES", "check_mode", "flight_recorder_prefix",
     "FLIGHT_RECORDER_ENV",
     "LaunchEnv", "detect_launch_env", "Group", "WORLD", "SideGroup", "side_group",
-    "before_destroy", "MESH_DIMS", "Mesh", "init_mesh", "CollectiveTiming", "time_collectives",
+    "before_destroy", "MESH_DIMS", "PIPELINE_DIMS", "Mesh", "init_mesh", "CollectiveTiming", "time_collectives",
     "CollectiveBounds", "TrailEntry", "read_trail", "first_difference", "process_gone", "InGraph",
 ]

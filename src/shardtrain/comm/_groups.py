@@ -150,26 +150,34 @@ def set_timeout(seconds: float) -> None:
 
 
 MESH_DIMS = ("dp", "sp", "tp")
+#: With pipeline stages, the pipeline dimension comes first (outermost).
+PIPELINE_DIMS = ("pp",) + MESH_DIMS
 
 
 class Mesh:
-    """The ranks laid out on three named dimensions: data parallel (``dp``), sequence
+    """The ranks laid out on named dimensions: pipeline stages (``pp``, outermost, size 1
+    unless a pipeline-parallel model asks for more), data parallel (``dp``), sequence
     parallel (``sp``) and tensor parallel (``tp``), ``tp`` innermost, so a tensor-parallel
     group is adjacent ranks (ranks 0 and 1 form the first group of ``tp=2``).
 
-    Rank ``r`` sits at ``(r // (sp * tp), r // tp % sp, r % tp)``. Each dimension is a
-    :class:`Group` of the ranks that differ only in that coordinate; :attr:`zero` is the
-    ``dp`` x ``sp`` group, over which ZeRO shards model states and gradients are averaged
-    (a sequence-parallel rank holds the whole model, like a data-parallel one; a
-    tensor-parallel rank holds its shard's whole gradient already). A dimension that spans
-    every rank is :data:`WORLD` itself. ``device_mesh`` is torch's ``DeviceMesh`` of the
-    same layout, for DTensor and ``parallelize_module`` (None without a process group, or
-    with data parallelism alone: then ``sp`` and ``tp`` are solo groups and nothing is
-    created).
+    Rank ``r`` sits at ``(r // (dp * sp * tp), r // (sp * tp) % dp, r // tp % sp, r % tp)``
+    (DeepSpeed's ``pipe``, ``data``, ``model`` order for its pipeline topologies). Each
+    dimension is a :class:`Group` of the ranks that differ only in that coordinate;
+    :attr:`zero` is the ``dp`` x ``sp`` group, over which ZeRO shards model states and
+    gradients are averaged (a sequence-parallel rank holds the whole model, like a
+    data-parallel one; a tensor-parallel rank holds its shard's whole gradient already);
+    :attr:`stage` is every rank of this pipeline stage (the world without pipeline stages).
+    A dimension that spans every rank is :data:`WORLD` itself. ``device_mesh`` is torch's
+    ``DeviceMesh`` of the same layout, for DTensor and ``parallelize_module`` (None without
+    a process group, or with data parallelism alone: then ``sp`` and ``tp`` are solo groups
+    and nothing is created).
     """
 
-    def __init__(self, sizes: dict, groups: dict, zero: Group, device_mesh=None):
-        self.sizes, self._groups, self.zero = dict(sizes), groups, zero
+    def __init__(self, sizes: dict, groups: dict, zero: Group, device_mesh=None,
+                 stage: Optional[Group] = None):
+        self.sizes, self._groups, self.zero = {"pp": 1, **sizes}, groups, zero
+        self._groups.setdefault("pp", Group(None, "pp", solo=True))
+        self.stage = stage if stage is not None else Group(None, "stage")
         self.device_mesh = device_mesh
 
     @classmethod
@@ -191,6 +199,10 @@ class Mesh:
         return cls(sizes, groups, Group(zero.handle, "zero", zero.solo))
 
     @property
+    def pp(self) -> Group:
+        return self._groups["pp"]
+
+    @property
     def dp(self) -> Group:
         return self._groups["dp"]
 
@@ -208,47 +220,65 @@ class Mesh:
     def coordinate(self, rank: Optional[int] = None) -> dict:
         """``rank``'s (default: this process's) position on each dimension."""
         r = get_rank() if rank is None else rank
-        sp, tp = self.sizes["sp"], self.sizes["tp"]
-        return {"dp": r // (sp * tp), "sp": r // tp % sp, "tp": r % tp}
+        dp, sp, tp = self.sizes["dp"], self.sizes["sp"], self.sizes["tp"]
+        return {"pp": r // (dp * sp * tp), "dp": r // (sp * tp) % dp, "sp": r // tp % sp,
+                "tp": r % tp}
+
+    def rank_at(self, **coordinate: int) -> int:
+        """The global rank at ``coordinate`` (dimensions left out: this rank's)."""
+        at = {**self.coordinate(), **coordinate}
+        dp, sp, tp = self.sizes["dp"], self.sizes["sp"], self.sizes["tp"]
+        return ((at["pp"] * dp + at["dp"]) * sp + at["sp"]) * tp + at["tp"]
 
     def __repr__(self) -> str:
-        return "Mesh(" + ", ".join(f"{d}={self.sizes[d]}" for d in MESH_DIMS) + ")"
+        dims = PIPELINE_DIMS if self.sizes["pp"] > 1 else MESH_DIMS
+        return "Mesh(" + ", ".join(f"{d}={self.sizes[d]}" for d in dims) + ")"
 
 
-def init_mesh(tp: int = 1, sp: int = 1, device_type: Optional[str] = None) -> Mesh:
-    """Arranges the world on a :class:`Mesh` of ``world / (tp * sp)`` data-parallel x ``sp``
-    x ``tp`` ranks (a collective: every rank calls it, at the same point)."""
+def init_mesh(tp: int = 1, sp: int = 1, device_type: Optional[str] = None,
+              pp: int = 1) -> Mesh:
+    """Arranges the world on a :class:`Mesh` of ``pp`` pipeline stages x ``world / (pp * tp *
+    sp)`` data-parallel x ``sp`` x ``tp`` ranks (a collective: every rank calls it, at the
+    same point)."""
     world = get_world_size()
-    for name, n in (("tensor-parallel size", tp), ("sequence-parallel size", sp)):
+    for name, n in (("tensor-parallel size", tp), ("sequence-parallel size", sp),
+                    ("pipeline-parallel size", pp)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"the {name} must be a positive integer, got {n!r}.")
-    if world % (tp * sp):
+    if world % (pp * tp * sp):
+        what = " x ".join(f"{label} size {n}" for label, n in (
+            ("pipeline-parallel", pp), ("tensor-parallel", tp), ("sequence-parallel", sp))
+            if n > 1 or label != "pipeline-parallel")
         raise ValueError(
-            f"world size {world} is not divisible by tensor-parallel size {tp} x "
-            f"sequence-parallel size {sp} = {tp * sp}: launch a multiple of {tp * sp} "
-            f"ranks, or choose sizes whose product divides {world}.")
-    sizes = {"dp": world // (tp * sp), "sp": sp, "tp": tp}
+            f"world size {world} is not divisible by {what} = {pp * tp * sp}: launch a "
+            f"multiple of {pp * tp * sp} ranks, or choose sizes whose product divides {world}.")
+    sizes = {"pp": pp, "dp": world // (pp * tp * sp), "sp": sp, "tp": tp}
     if not is_initialized() or world == 1:
-        return Mesh(sizes, {d: Group(None, d) for d in MESH_DIMS}, Group(None, "zero"))
-    if tp == sp == 1:  # data parallelism alone: the world, and no sub-groups to create
+        return Mesh(sizes, {d: Group(None, d) for d in PIPELINE_DIMS}, Group(None, "zero"))
+    if pp == tp == sp == 1:  # data parallelism alone: the world, and no sub-groups to create
         solo = {d: Group(None, d, solo=True) for d in ("sp", "tp")}
         return Mesh(sizes, {"dp": Group(None, "dp"), **solo}, Group(None, "zero"))
     from torch.distributed.device_mesh import init_device_mesh
     from .. import accelerator  # local import: accelerator does not depend on comm
     kind = device_type or ("cuda" if accelerator.is_cuda() else "cpu")
-    shape = tuple(sizes[d] for d in MESH_DIMS)
-    device_mesh = init_device_mesh(kind, shape, mesh_dim_names=MESH_DIMS)
-    layout = torch.arange(world).view(shape)
+    dims = PIPELINE_DIMS if pp > 1 else MESH_DIMS
+    shape = tuple(sizes[d] for d in dims)
+    device_mesh = init_device_mesh(kind, shape, mesh_dim_names=dims)
+    layout = torch.arange(world).view((pp,) + shape[-3:])
     groups = {d: Group(None if sizes[d] == world else device_mesh.get_group(d), d)
-              for d in MESH_DIMS}
+              for d in dims}
     if sp == 1:
-        zero = Group(groups["dp"].handle, "zero")
-    elif tp == 1:
+        zero = Group(groups["dp"].handle, "zero", groups["dp"].solo)
+    elif tp == 1 and pp == 1:
         zero = Group(None, "zero")
-    else:  # dp x sp: one group per tensor-parallel coordinate, created by every rank
-        zero = Group(_own_group([layout[:, :, t].reshape(-1).tolist() for t in range(tp)]),
-                     "zero")
-    return Mesh(sizes, groups, zero, device_mesh)
+    else:  # dp x sp: one group per (stage, tensor-parallel coordinate), created by every rank
+        zero = Group(_own_group([layout[s, :, :, t].reshape(-1).tolist()
+                                 for s in range(pp) for t in range(tp)]), "zero")
+    stage = None
+    if pp > 1:  # every rank of a stage (None: the world, without pipeline stages)
+        stage = Group(_own_group([layout[s].reshape(-1).tolist() for s in range(pp)]), "stage") \
+            if world > pp else Group(None, "stage", solo=True)
+    return Mesh(sizes, groups, zero, device_mesh, stage)
 
 
 def _wrap(handle, name: str) -> Group:

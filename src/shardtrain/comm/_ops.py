@@ -173,6 +173,22 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         output, input, output_split_sizes, input_split_sizes, group=_handle(group)))
 
 
+def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    """Sends ``tensor`` to global rank ``dst`` without waiting (point to point: only ``dst``
+    takes part, with a matching :func:`recv`); ``wait()`` before changing the tensor. Sends
+    to one rank with one tag arrive in the order they were issued."""
+    _notify("send", tensor, None)
+    return Work(_guarded("send", None, tensor, lambda: dist.isend(tensor, dst, tag=tag)),
+                op="send", tensor=tensor)
+
+
+def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+    """Receives into ``tensor`` what global rank ``src`` sends with :func:`send` (waits, within
+    the collective timeout)."""
+    _notify("recv", tensor, None)
+    _guarded("recv", None, tensor, lambda: dist.recv(tensor, src, tag=tag))
+
+
 def all_gather_object(obj, group: Optional["Group"] = None) -> list:
     """Gathers one picklable object from every rank of ``group`` (small metadata only)."""
     size = get_world_size(group)

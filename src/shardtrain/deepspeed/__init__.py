@@ -25,10 +25,10 @@ from .. import initialize as _initialize
 from ..zero import set_state_dict_gather
 from ..cli import DEEPSPEED_VERSION, alias_version
 from ..log import log_dist, log_dist_once, logger
-from . import (accelerator, checkpoint, comm, compression, launcher, moe, module_inject, ops,
+from . import (accelerator, checkpoint, comm, compression, launcher, moe, module_inject, ops, pipe,
                runtime, utils)
 from ._autotp import tp_model_init
-from ._missing import FIT_A_LARGE_MODEL, unsupported_class, unsupported_function
+from ._missing import unsupported_class, unsupported_function
 from .accelerator import get_accelerator
 from .module_inject import replace_transformer_layer, set_autotp_mode
 from .runtime import zero
@@ -36,6 +36,8 @@ from .runtime.activation_checkpointing import checkpointing
 from .runtime.base_optimizer import DeepSpeedOptimizer
 from .runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from .runtime.engine import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
+from .runtime.pipe.engine import PipelineEngine
+from .pipe import PipelineModule
 from .utils import OnDevice
 
 
@@ -63,8 +65,6 @@ init_inference = unsupported_function("deepspeed.init_inference", "DeepSpeed-Inf
                                       "run the trained module directly, or torch.compile it")
 default_inference_config = unsupported_function("deepspeed.default_inference_config",
                                                 "DeepSpeed-Inference", "run the module directly")
-PipelineModule = unsupported_class("deepspeed.PipelineModule", "pipeline parallelism", FIT_A_LARGE_MODEL)
-PipelineEngine = unsupported_class("deepspeed.PipelineEngine", "pipeline parallelism", FIT_A_LARGE_MODEL)
 InferenceEngine = unsupported_class("deepspeed.InferenceEngine", "DeepSpeed-Inference",
                                     "run the trained module directly")
 DeepSpeedInferenceConfig = unsupported_class("deepspeed.DeepSpeedInferenceConfig",
@@ -83,7 +83,8 @@ __all__ = [
     "initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
     "DeepSpeedOptimizer", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedOptimizerCallable",
     "DeepSpeedSchedulerCallable", "get_accelerator", "zero", "comm", "checkpointing", "ops",
-    "runtime", "utils", "accelerator", "checkpoint", "launcher", "moe", "module_inject", "compression", "log_dist",
+    "runtime", "utils", "pipe", "accelerator", "checkpoint", "launcher", "moe", "module_inject",
+    "compression", "log_dist",
     "log_dist_once", "logger", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__",
     "version", "git_hash", "git_branch", "init_inference", "default_inference_config",
     "tp_model_init", "set_autotp_mode", "replace_transformer_layer", "PipelineModule",

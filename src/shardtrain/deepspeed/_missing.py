@@ -39,9 +39,13 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
                             "run the trained torch module directly, or torch.compile it"),
     "deepspeed.module_inject": ("kernel injection and DeepSpeed's AutoTP layer classes "
                                 "(only module_inject.layers.set_autotp_mode is provided)", _TP),
-    "deepspeed.pipe": ("pipeline parallelism (PipelineModule)", FIT_A_LARGE_MODEL),
-    "deepspeed.runtime.pipe": ("pipeline parallelism (PipelineEngine, PipelineModule, "
-                               "ProcessTopology)", FIT_A_LARGE_MODEL),
+    "deepspeed.runtime.pipe.dualpipev": ("DualPipeV (DualPipeVModule, DualPipeVEngine)",
+                                         "PipelineModule with pipeline.schedule \"1f1b\""),
+    "deepspeed.runtime.pipe.schedule": ("DeepSpeed's pipeline instruction classes "
+                                        "(TrainSchedule, PipeInstruction)",
+                                        "the pipeline block's schedule key"),
+    "deepspeed.runtime.pipe.p2p": ("DeepSpeed's pipeline send/recv helpers",
+                                   "shardtrain.comm.send and shardtrain.comm.recv"),
     "deepspeed.moe": _MOE,
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": (
         "DeepSpeed's sequence-parallel group registry (parallel_state_sp)", _SP),

@@ -33,7 +33,7 @@ class Parallelism:
     def mpu(self) -> Optional[MeshMPU]:
         """DeepSpeed's ``mpu`` for this mesh; None with data parallelism alone."""
         sizes = self.mesh.sizes
-        if sizes["tp"] * sizes["sp"] == 1 and self.experts is None:
+        if sizes["tp"] * sizes["sp"] * sizes["pp"] == 1 and self.experts is None:
             return None
         return MeshMPU(self.mesh, self.experts)
 

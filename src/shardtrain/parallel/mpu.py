@@ -3,7 +3,8 @@ names DeepSpeed and Megatron-style code call.
 
 ``engine.mpu`` is a :class:`MeshMPU` of the mesh the engine built (None with data parallelism
 alone, as in DeepSpeed). Its groups are torch ``ProcessGroup`` s, for code that calls
-``torch.distributed`` itself; "model parallel" means tensor parallel (there is no pipeline).
+``torch.distributed`` itself; "model parallel" means tensor parallel, "pipe parallel" the
+pipeline stages (DeepSpeed's ``PipelineParallelGrid`` names, for a ``PipelineModule``).
 A user's own ``mpu`` passed to ``initialize(mpu=...)`` is read by :func:`mesh_from_mpu`.
 
 Example:
@@ -72,6 +73,37 @@ class MeshMPU:
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.mesh.zero.size()
 
+    # pipeline stages (the ranks that hold other layers), and the grid's lookups
+    def get_pipe_parallel_group(self):
+        return self.mesh.pp.process_group
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.mesh.coordinate()["pp"]
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.mesh.sizes["pp"]
+
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_stage_id = get_pipe_parallel_rank
+
+    def get_data_parallel_id(self) -> int:
+        return self.mesh.coordinate()["dp"]
+
+    def get_global_rank(self) -> int:
+        return comm.get_rank()
+
+    def stage_to_global(self, stage_id: int, **kwargs: int) -> int:
+        """The global rank of ``stage_id`` at this rank's coordinate (``data=``, ``model=``
+        move along those axes)."""
+        return self.mesh.rank_at(pp=stage_id, **{_AXES[k]: v for k, v in kwargs.items()})
+
+    # within a stage: the tensor-parallel ranks (DeepSpeed's "slice")
+    get_slice_parallel_group = get_model_parallel_group
+    get_slice_parallel_rank = get_model_parallel_rank
+    get_slice_parallel_world_size = get_model_parallel_world_size
+
     # expert parallel (the ranks that hold other experts), and the ranks holding the same
     # ones; without split experts, every rank holds every expert
     def _expert(self, which: str) -> comm.Group:
@@ -106,6 +138,7 @@ class MeshMPU:
 
 
 _NEEDED = ("get_data_parallel_group", "get_model_parallel_group")
+_AXES = {"data": "dp", "model": "tp", "pipe": "pp"}  # DeepSpeed's topology axes
 
 
 def mesh_from_mpu(mpu: Any) -> comm.Mesh:

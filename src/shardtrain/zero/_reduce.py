@@ -266,6 +266,7 @@ class FullGrads:
         self.queue = _BucketQueue(buckets)
         self.exchange = exchange
         self._sync = False
+        self._passed = False  # a backward ended since the last forward
         self.zero()
 
     @property
@@ -276,8 +277,13 @@ class FullGrads:
         """A new micro-batch: readiness is counted per backward pass."""
         for bucket in self.queue.buckets:
             bucket.arrived = 0
+        self._passed = False
 
     def begin_backward(self, sync: bool) -> None:
+        if self._passed:
+            # a backward right after another, with no forward between (a pipeline stage
+            # draining its micro-batches): readiness starts again
+            self.begin_forward()
         self._sync = sync
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
@@ -307,6 +313,7 @@ class FullGrads:
         if self._sync:
             self._finish(accumulation_steps)
         self._sync = False
+        self._passed = True
 
     def grads(self, accumulation_steps: int) -> Grads:
         """The averaged gradient of each parameter (of this rank's slice at stage 1), in
@@ -418,6 +425,10 @@ class ShardedGrads:
 
     def begin_backward(self, sync: bool) -> None:
         del sync  # every micro-step is reduced
+        if any(b.launched for b in self.queue.buckets):
+            # a backward right after another, with no forward between (a pipeline stage
+            # draining its micro-batches): this pass reduces its own buckets
+            self.begin_forward()
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         bucket, index = self.queue.locate(param)

@@ -1,0 +1,448 @@
+"""The engine of a pipeline-parallel model: ``train_batch()`` runs one step of every
+micro-batch through the stages, on top of the engine's forward, backward and step.
+
+Each rank runs its stage's list of actions (:mod:`shardtrain.pipe.schedule`): a forward
+receives its input from the previous stage (the first stage reads the data iterator), runs
+the stage's layers through :class:`~shardtrain.engine.Engine`'s forward (precision, ZeRO,
+telemetry as for any model) and sends the output on (the last stage applies ``loss_fn``); a
+backward receives the output's gradient, backpropagates through the stage and sends the
+input's gradient back. Gradients reduce over the stage's data-parallel group at the last
+micro-batch's backward (the accumulation boundary), as without stages; the global norm adds
+every stage's part; tied weights reach their owner's gradient before that reduction, and
+their new values go back to the other stages after the step.
+
+The schedules run on shardtrain's own point-to-point sends rather than on
+``torch.distributed.pipelining``'s stage objects: those drive backward themselves and keep no
+place for the engine's gradient reduction at the accumulation boundary, for the tied weights'
+gradient before it, or for the collective bounds and reports of ``shardtrain.comm``; the action
+lists are the same 1F1B and GPipe orders.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from . import comm
+from .config import ShardConfig
+from .data import RepeatingLoader
+from .engine import Engine
+from .errors import PipelineError
+from .pipe import PipelineModule, read_settings, train_actions, eval_actions
+from .pipe import PipeModelDataParallelTopology
+from .pipe.p2p import recv_tensors, send_tensors
+from .state import Phase
+from .zero.strategy import ReducedGrads
+
+__all__ = ["PipelineEngine"]
+
+_ACTIVATIONS, _TIED = 0, 1  # point-to-point tags
+
+
+class PipelineEngine(Engine):
+    """The engine :func:`shardtrain.initialize` returns for a :class:`PipelineModule`.
+
+    Example:
+        >>> engine, _, _, _ = shardtrain.initialize(model=pipeline_module, config=config)
+        >>> loss = engine.train_batch(data_iter)   # gradient_accumulation_steps micro-batches
+    """
+
+    def __init__(self, model: torch.nn.Module, config: ShardConfig, **kwargs: Any):
+        if not isinstance(model, PipelineModule):
+            raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}.")
+        self._settings = read_settings(config.pipeline)
+        if model.num_stages > 1 and config.zero_optimization.stage == 3:
+            raise NotImplementedError(
+                "ZeRO stage 3 with a PipelineModule of several stages is not supported yet "
+                "(each stage's backward of one micro-batch runs while others' forwards are "
+                "pending, which stage 3's gathering does not follow): use ZeRO stage 0, 1 or 2, "
+                "which shard over each stage's data-parallel ranks.")
+        super().__init__(model, config, **kwargs)
+        stages = self.mesh.sizes["pp"]
+        self.num_stages, self.stage_id = stages, self.mesh.coordinate()["pp"]
+        self.micro_batches = self.gradient_accumulation_steps()
+        if self._settings.activation_checkpoint_interval > 0:
+            model.set_checkpoint_interval(self._settings.activation_checkpoint_interval)
+        model._mpu = self.mpu
+        self.prev_stage = self.mesh.rank_at(pp=self.stage_id - 1) if self.stage_id else None
+        self.next_stage = self.mesh.rank_at(pp=self.stage_id + 1) \
+            if self.stage_id < stages - 1 else None
+        self._ties = self._wire_ties(model)
+        self.data_iterator: Optional[Iterator] = None
+        self.batch_fn = None
+        self.agg_train_loss: Optional[torch.Tensor] = None
+        if self.training_dataloader is not None:
+            self.set_dataiterator(iter(RepeatingLoader(self.training_dataloader)))
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _build_mesh(self, config: ShardConfig, mpu: Any) -> comm.Mesh:
+        module = self.module
+        topo = module.topology()
+        axes = topo.get_axis_names()
+        if axes not in (["pipe", "data"], ["pipe", "data", "model"]):
+            raise ValueError(f"a PipelineModule's topology has axes {axes}; shardtrain lays out "
+                             "['pipe', 'data'] (PipeDataParallelTopology) and ['pipe', 'data', "
+                             "'model'] (PipeModelDataParallelTopology).")
+        if mpu is not None:
+            raise ValueError("initialize(mpu=...) with a PipelineModule: its topology is the "
+                             "mesh; pass mpu=None.")
+        if config.sequence_parallel_size and config.sequence_parallel_size > 1:
+            raise NotImplementedError("sequence_parallel_size with a PipelineModule is not "
+                                      "supported yet: set it to 1.")
+        stages, model_dim = topo.get_dim("pipe"), max(topo.get_dim("model"), 1)
+        tp = config.tensor_parallel_size()
+        if model_dim > 1 and tp > 1 and model_dim != tp:
+            raise ValueError(f"the topology's model axis is {model_dim} but "
+                             f"tensor_parallel.autotp_size is {tp}: make them equal.")
+        tp = max(tp, model_dim)
+        if self.world_size % (stages * tp):
+            raise ValueError(f"world size {self.world_size} is not divisible by {stages} "
+                             f"pipeline stages x tensor-parallel size {tp}.")
+        dp = self.world_size // (stages * tp)
+        if (model_dim, topo.get_dim("data")) != (tp, dp):  # the config's AutoTP split the stage
+            module._topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp, num_dp=dp)
+        return comm.init_mesh(tp=tp, pp=stages)
+
+    def _wire_ties(self, module: PipelineModule) -> List[Dict[str, Any]]:
+        """The groups of each tied weight (every rank creates every group, in key order), and
+        on this rank's copies the hook that keeps their gradient for the owner."""
+        sizes, ties = self.mesh.sizes, []
+        for key, stages in module.tie_stages.items():
+            if len(stages) < 2:
+                continue
+            partition = [[self.mesh.rank_at(pp=s, dp=d, sp=q, tp=t) for s in stages]
+                         for d in range(sizes["dp"]) for q in range(sizes["sp"])
+                         for t in range(sizes["tp"])]
+            group = comm.split_groups(partition, name=f"tie:{key}")
+            for tie in module.tied_weights:
+                if tie.key != key:
+                    continue
+                tensor = tie.tensor
+                owner = self.stage_id == tie.owner
+                if not owner:  # a copy: the owner's values and dtype, gradients kept in fp32
+                    tensor.data = tensor.data.to(self.device, self._precision.param_dtype)
+                    tensor.grad_sum = torch.zeros(tensor.shape, dtype=torch.float32,
+                                                  device=self.device)
+                    tensor.register_post_accumulate_grad_hook(_keep_grad)
+                with torch.no_grad():
+                    comm.broadcast(tensor.data, 0, group=group)
+                ties.append({"tie": tie, "group": group, "owner": owner})
+        return ties
+
+    # -- what DeepSpeed's pipeline engine refuses -------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        raise PipelineError("a pipeline engine runs its stages in engine.train_batch(data_iter) "
+                            "(engine.eval_batch(data_iter) to evaluate): calling the engine on "
+                            "inputs is not available in pipeline mode.")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        raise PipelineError("a pipeline engine backpropagates inside engine.train_batch(): "
+                            "engine.backward() is not available in pipeline mode.")
+
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        raise PipelineError("a pipeline engine steps at the end of engine.train_batch(): "
+                            "engine.step() is not available in pipeline mode.")
+
+    # -- DeepSpeed's pipeline-engine names --------------------------------------------------
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """Where the first and last stages read their micro-batches (``(inputs, labels)``)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader: Any) -> None:
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn) -> None:
+        """Applies ``fn`` to each micro-batch read from the data iterator."""
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """Activations carry their shape with them every time: nothing to reset."""
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """Forward and backward of ``gradient_accumulation_steps`` micro-batches through the
+        stages, then the optimizer step. Returns the mean loss over the micro-batches and the
+        data-parallel ranks, on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() needs gradients enabled: use eval_batch() under "
+                               "torch.no_grad().")
+        self._require_optimizer("train_batch")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        run = _Run(self, self.micro_batches)
+        base = self.train_state.micro_steps
+        backwards = 0
+        for kind, index in train_actions(self.stage_id, self.num_stages, self.micro_batches,
+                                         self._settings.schedule):
+            if kind == "F":
+                run.forward(index, grad=True)
+            else:
+                self.train_state.micro_steps = base + backwards  # the boundary is the last one
+                backwards += 1
+                run.backward(index, last=backwards == self.micro_batches)
+        run.finish()
+        self.train_state.micro_steps = base + self.micro_batches - 1
+        Engine.step(self)
+        if self.was_step_applied():
+            self._send_tied_weights()
+        self.agg_train_loss = self._aggregate(run.losses)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False,
+                   compute_loss: bool = True, reduce_output: Optional[str] = "avg",
+                   bcast_loss: bool = True, num_micro_batches: Optional[int] = None) -> Any:
+        """The forward of ``num_micro_batches`` (default ``gradient_accumulation_steps``)
+        micro-batches without gradients; returns the mean loss (``reduce_output="avg"``) on
+        every rank (``bcast_loss``), with the last stage's outputs when ``return_logits``."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None.")
+        training_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        was_training = self.module.training
+        self.module.eval()
+        micro = num_micro_batches or self.micro_batches
+        run = _Run(self, micro, compute_loss=compute_loss, keep_outputs=return_logits)
+        try:
+            with torch.no_grad():
+                for _, index in eval_actions(micro):
+                    run.forward(index, grad=False)
+                run.finish()
+        finally:
+            self.module.train(was_training)
+            self.data_iterator = training_iterator
+        if not compute_loss:
+            loss = None
+        elif reduce_output is None:
+            loss = run.losses if self.is_last_stage() else None
+        else:
+            loss = self._aggregate(run.losses, broadcast=bcast_loss)
+        if return_logits:
+            return loss, run.outputs if self.is_last_stage() else None
+        return loss
+
+    def _aggregate(self, losses: List[torch.Tensor], broadcast: bool = True) -> torch.Tensor:
+        """The last stage's mean loss, averaged over its data-parallel ranks, sent to every
+        stage."""
+        out = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            out = torch.stack([x.float() for x in losses]).mean()
+            comm.all_reduce(out, "avg", group=self.mesh.dp)
+        if broadcast and self.num_stages > 1:
+            comm.broadcast(out, self.num_stages - 1, group=self.mesh.pp)
+        return out
+
+    def _send_tied_weights(self) -> None:
+        """The owners' updated tied weights into every other stage's copy."""
+        with torch.no_grad():
+            for tie in self._ties:
+                comm.broadcast(tie["tie"].tensor.data, 0, group=tie["group"])
+
+    def _owned_tied_grads(self) -> List[tuple]:
+        """Before the owner's last backward: the copies' gradients summed over the stages
+        holding them (a later stage's last backward runs before an earlier one's), as
+        ``(parameter, gradient)`` for that backward to add."""
+        owned = []
+        for tie in self._ties:
+            if tie["owner"]:
+                tensor = tie["tie"].tensor
+                total = torch.zeros(tensor.shape, dtype=torch.float32, device=self.device)
+                comm.all_reduce(total, group=tie["group"])
+                owned.append((tensor, total))
+        return owned
+
+    def _give_tied_grads(self) -> None:
+        """After a copy holder's last backward: its copies' gradients to the owner."""
+        for tie in self._ties:
+            if not tie["owner"]:
+                grad_sum = tie["tie"].tensor.grad_sum
+                comm.all_reduce(grad_sum, group=tie["group"])
+                grad_sum.zero_()
+
+    # -- across stages ----------------------------------------------------------------------
+
+    def _global_norm(self, reduced: ReducedGrads) -> torch.Tensor:
+        norm = super()._global_norm(reduced)
+        if self.num_stages == 1:
+            return norm
+        squared = norm.detach().float().square().reshape(1)
+        comm.all_reduce(squared, group=self.mesh.pp)
+        return squared.sqrt()[0]
+
+    def _all_finite(self, reduced: ReducedGrads) -> bool:
+        finite = super()._all_finite(reduced)
+        if self.num_stages == 1:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
+        comm.all_reduce(flag, group=self.mesh.pp)
+        return flag.item() == 0.0
+
+    # -- what is not there yet --------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        if self.num_stages == 1:
+            return super().save_checkpoint(save_dir, tag, client_state, save_latest,
+                                           exclude_frozen_parameters)
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, **kwargs: Any):
+        if self.num_stages == 1:
+            return super().load_checkpoint(load_dir, tag, **kwargs)
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        if self.num_stages == 1:
+            return super().save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+
+_NO_CHECKPOINTS = ("checkpoints and full-weight exports of a model split into pipeline stages "
+                   "are not supported yet: each stage holds other layers. Train with "
+                   "num_stages=1 to save, or keep the engine's state in memory.")
+
+
+def _keep_grad(tensor: torch.Tensor) -> None:
+    """A tied copy's gradient, added in fp32 and then dropped from ``.grad``."""
+    tensor.grad_sum.add_(tensor.grad.float())
+    tensor.grad = None
+
+
+class _Run:
+    """One train_batch or eval_batch on this stage: each micro-batch's input and output
+    while its backward is pending, the sends in flight, the losses."""
+
+    def __init__(self, engine: PipelineEngine, micro_batches: int, compute_loss: bool = True,
+                 keep_outputs: bool = False):
+        self.engine, self.micro = engine, micro_batches
+        self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
+        self.inputs: Dict[int, List[torch.Tensor]] = {}
+        self.outputs_alive: Dict[int, Any] = {}
+        self.losses: List[torch.Tensor] = []
+        self.outputs: List[Any] = []
+        self.sends: List[comm.Work] = []
+
+    def _read(self) -> Any:
+        engine = self.engine
+        if engine.data_iterator is None:
+            raise PipelineError(
+                f"stage {engine.stage_id} reads micro-batches but has no data iterator: pass "
+                "train_batch(data_iter) (an iterator of (inputs, labels); RepeatingLoader "
+                "restarts a loader) or training_data= to initialize().")
+        batch = next(engine.data_iterator)
+        if engine.batch_fn is not None:
+            batch = engine.batch_fn(batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise PipelineError(f"each micro-batch must be (inputs, labels), got "
+                                f"{type(batch).__name__} of {len(batch) if hasattr(batch, '__len__') else '?'} "
+                                "items.")
+        return batch
+
+    def forward(self, index: int, grad: bool) -> None:
+        engine = self.engine
+        labels = None
+        if engine.is_first_stage():
+            batch = self._read()
+            inputs, labels = batch[0], batch[1]
+        else:
+            received = recv_tensors(engine.prev_stage, engine.device, _ACTIVATIONS)
+            if grad:
+                for t in received:
+                    if t.is_floating_point():
+                        t.requires_grad_(True)
+            inputs = received[0] if len(received) == 1 else tuple(received)
+            if engine.is_last_stage():
+                labels = self._read()[1]
+            self.inputs[index] = received
+        outputs = Engine.forward(engine, inputs)
+        if engine.is_last_stage():
+            if self.keep_outputs:
+                self.outputs.append(outputs)
+            if self.compute_loss:
+                loss = _loss(engine.module, outputs, labels)
+                self.losses.append(loss.detach())
+                if grad:
+                    self.outputs_alive[index] = loss
+            return
+        sent = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        if not all(isinstance(t, torch.Tensor) for t in sent):
+            raise PipelineError(f"stage {engine.stage_id} returned "
+                                f"{[type(t).__name__ for t in sent]}: a stage passes a tensor or "
+                                "a tuple of tensors to the next.")
+        self.sends += send_tensors(sent, engine.next_stage, engine.device, _ACTIVATIONS)
+        if grad:
+            self.outputs_alive[index] = sent
+
+    def backward(self, index: int, last: bool) -> None:
+        engine = self.engine
+        produced = self.outputs_alive.pop(index)
+        tied = engine._owned_tied_grads() if last else []
+        extra = [(p * g.to(p.dtype)).sum() for p, g in tied]
+        if engine.is_last_stage():
+            loss = produced + sum(extra) if extra else produced
+            Engine.backward(engine, loss)
+        else:
+            grads = recv_tensors(engine.next_stage, engine.device, _ACTIVATIONS)
+            floats = [t for t in produced if t.is_floating_point()]
+            if len(grads) != len(floats) or any(g.shape != t.shape for g, t in zip(grads, floats)):
+                raise PipelineError(
+                    f"stage {engine.stage_id}, micro-batch {index}: the next stage sent back "
+                    f"gradients of shapes {[tuple(g.shape) for g in grads]} for outputs of shapes "
+                    f"{[tuple(t.shape) for t in floats]}: the stages disagree on what flows "
+                    "between them (a stage must take the previous stage's outputs as they are).")
+            pairs = [(t, g.to(t.dtype)) for t, g in zip(floats, grads) if t.requires_grad]
+            pairs += [(x, torch.ones_like(x)) for x in extra]
+            _stage_backward(engine, [t for t, _ in pairs], [g for _, g in pairs])
+        if not engine.is_first_stage():
+            received = self.inputs.pop(index)
+            back = [t.grad if t.grad is not None else torch.zeros_like(t)
+                    for t in received if t.is_floating_point()]
+            self.sends += send_tensors(back, engine.prev_stage, engine.device, _ACTIVATIONS)
+        if last:
+            engine._give_tied_grads()
+
+    def finish(self) -> None:
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+def _loss(module: PipelineModule, outputs: Any, labels: Any) -> torch.Tensor:
+    if module.loss_fn is not None:
+        return module.loss_fn(outputs, labels)
+    if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+        return outputs
+    raise PipelineError("the last stage's output is not a loss and the PipelineModule has no "
+                        "loss_fn: pass loss_fn=... (called as loss_fn(outputs, labels)).")
+
+
+def _stage_backward(engine: PipelineEngine, tensors: List[torch.Tensor],
+                    grads: List[torch.Tensor]) -> None:
+    """Backpropagates the stage's outputs with the gradients the next stage sent, as one
+    backward pass of the engine (its reduction at the boundary included)."""
+    with engine._in_phase(Phase.BACKWARD):
+        engine._begin_backward(None, 1.0)
+        try:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        except BaseException:
+            engine._step.backward = None
+            engine._phase = Phase.IDLE
+            raise
+        engine._end_backward()
+

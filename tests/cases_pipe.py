@@ -1,0 +1,276 @@
+"""Cases of pipeline parallelism, each run on every rank of one process group: a
+``PipelineModule`` (tied embedding and head between the first and last stages) trained by
+``train_batch`` against the same layers in one process on the global batch."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+import shardtrain
+from shardtrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+V, H, T, B = 32, 16, 6, 2   # vocabulary, width, tokens per row, rows per micro-batch
+LAYERS, STEPS, SEED = 6, 3, 7
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 2 * width)
+        self.out = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.out(torch.tanh(self.fc(self.norm(x))))
+
+
+def head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return x @ embedding.weight.t()
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1))
+
+
+def specs(tied: bool = True) -> List[Any]:
+    first = TiedLayerSpec("embed", nn.Embedding, V, H) if tied else LayerSpec(nn.Embedding, V, H)
+    last = TiedLayerSpec("embed", nn.Embedding, V, H, forward_fn=head) if tied \
+        else LayerSpec(nn.Linear, H, V, bias=False)
+    return [first] + [LayerSpec(Block, H) for _ in range(LAYERS)] + [last]
+
+
+class OneProcess(nn.Module):
+    """The same layers, built as ``seed_layers`` builds them, in one process."""
+
+    def __init__(self, layers: List[Any]):
+        super().__init__()
+        self.tied_modules = nn.ModuleDict()
+        self.funcs = []
+        for index, spec in enumerate(layers):
+            torch.manual_seed(1234 + index)
+            if not isinstance(spec, LayerSpec):  # a module or a function, used as it is
+                self.funcs.append(spec)
+            elif isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                module = self.tied_modules[spec.key]
+                self.funcs.append(module if spec.forward_fn is None
+                                  else (lambda m, f: lambda x: f(m, x))(module, spec.forward_fn))
+            else:
+                module = spec.build()
+                self.add_module(str(index), module)
+                self.funcs.append(module)
+
+    def forward(self, x):
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
+def batches(dp: int, gas: int, steps: int = STEPS) -> List[List[List[tuple]]]:
+    """``[step][dp rank][micro-batch] -> (tokens, labels)``."""
+    g = torch.Generator().manual_seed(SEED)
+    out = []
+    for _ in range(steps):
+        out.append([[(torch.randint(0, V, (B, T), generator=g),
+                      torch.randint(0, V, (B, T), generator=g)) for _ in range(gas)]
+                     for _ in range(dp)])
+    return out
+
+
+def one_process(layers, data, clip: float, lr: float = 1e-2):
+    model = OneProcess(layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, eps=1e-8)
+    losses, norms = [], []
+    for step in data:
+        count = sum(len(r) for r in step)
+        total = 0.0
+        for replica in step:
+            for x, y in replica:
+                loss = lm_loss(model(x), y) / count
+                loss.backward()
+                total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                          clip if clip > 0 else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def config(gas: int, stage: int = 0, clip: float = 1.0, **extra: Any) -> Dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0,
+                                                      "eps": 1e-8}}, **extra}
+
+
+def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b",
+               clip: float = 1.0, tied: bool = True, topology: Optional[Callable] = None,
+               extra: Optional[Dict[str, Any]] = None, partition: str = "parameters"
+               ) -> Callable[[int, int], Dict[str, Any]]:
+    """``train_batch`` on a split of ``stages`` against one process: each step's loss, the
+    clipped global norm, and every weight this rank holds."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        layers = specs(tied)
+        module = PipelineModule(layers, num_stages=None if topology else stages,
+                                topology=topology(world) if topology else None,
+                                loss_fn=lm_loss, seed_layers=True, partition_method=partition)
+        cfg = config(gas, stage, clip, pipeline={"schedule": schedule}, **(extra or {}))
+        engine, *_ = shardtrain.initialize(model=module, config=cfg)
+        dp = engine.mesh.sizes["dp"]
+        data = batches(dp, gas)
+        replica = engine.mesh.coordinate()["dp"]
+        losses, norms = [], []
+        for step in data:
+            losses.append(float(engine.train_batch(iter(step[replica]))))
+            norms.append(engine.get_global_grad_norm())
+        params = list(engine.module.parameters())
+        with shardtrain.zero.GatheredParameters(params):  # stage 3: whole, for comparing
+            got = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        mesh = dict(engine.mesh.sizes)
+        parts = engine.module.partitions()
+        bytes_held = engine.model_state_bytes()
+        engine.destroy()
+        ref_losses, ref_norms, ref = one_process(layers, data, clip)
+        return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
+                "ref_norms": ref_norms, "names": sorted(got),
+                "missing": sorted(set(got) - set(ref)),
+                "weights": max((got[n] - ref[n]).abs().max().item() for n in got),
+                "mesh": mesh, "parts": parts, "bytes": bytes_held,
+                "numel": sum(p.numel() for p in got.values())}
+    return case
+
+
+def case_bf16(rank: int, world: int) -> Dict[str, Any]:
+    """bf16 with fp32 masters at ZeRO-1 on pp2 x dp2, against fp32 in one process."""
+    module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+    engine, *_ = shardtrain.initialize(model=module, config=config(4, 1, bf16={"enabled": True}))
+    data = batches(2, 4)
+    replica = engine.mesh.coordinate()["dp"]
+    losses = [float(engine.train_batch(iter(step[replica]))) for step in data]
+    dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
+    engine.destroy()
+    return {"losses": losses, "ref": one_process(specs(), data, 1.0)[0], "dtypes": dtypes}
+
+
+def case_eval(rank: int, world: int) -> Dict[str, Any]:
+    """eval_batch on pp2 x dp2: the mean loss of the global batch on every rank, the logits
+    on the last stage, the training iterator left in place."""
+    module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+    engine, *_ = shardtrain.initialize(model=module, config=config(2))
+    data = batches(2, 2, steps=1)[0]
+    replica = engine.mesh.coordinate()["dp"]
+    with torch.no_grad():
+        loss, logits = engine.eval_batch(iter(data[replica]), return_logits=True)
+    last = engine.is_last_stage()
+    engine.destroy()
+    model = OneProcess(specs())
+    with torch.no_grad():
+        ref = sum(lm_loss(model(x), y).item() for r in data for x, y in r) / 4
+    return {"loss": float(loss), "ref": ref,
+            "logits": [tuple(t.shape) for t in logits] if last else logits}
+
+
+def case_deepspeed_example(rank: int, world: int) -> Dict[str, Any]:
+    """DeepSpeed's pipeline example, through the alias: a PipelineModule of LayerSpecs over
+    ``deepspeed.init_distributed()``'s group, ``training_data=`` and ``train_batch()`` with no
+    iterator (the engine's RepeatingLoader over its loader), and a RepeatingLoader passed in."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec as DsLayerSpec, PipelineModule as DsPipelineModule
+    from deepspeed.utils import RepeatingLoader
+    deepspeed.init_distributed(dist_backend="gloo")
+    g = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    dataset = torch.utils.data.TensorDataset(xs, ys)
+    layers = [DsLayerSpec(nn.Linear, 8, 16), nn.ReLU(), DsLayerSpec(nn.Linear, 16, 16),
+              lambda x: torch.tanh(x), DsLayerSpec(nn.Linear, 16, 3)]
+    net = DsPipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2,
+                           partition_method="parameters", activation_checkpoint_interval=0,
+                           seed_layers=True)
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "gradient_clipping": 0.0}
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg, model_parameters=[
+        p for p in net.parameters() if p.requires_grad], training_data=dataset)
+    kind = type(engine).__name__
+    losses = [float(engine.train_batch()) for _ in range(2)]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2)
+    losses.append(float(engine.train_batch(RepeatingLoader(loader))))
+    engine.destroy()
+    return {"kind": kind, "losses": losses, "stages": net.partitions(),
+            "ref": _example_reference(layers, dataset, rank, world)}
+
+
+def _example_reference(layers, dataset, rank: int, world: int) -> List[float]:
+    """The example's three steps in one process: the engine's loader gives each of the two
+    data-parallel replicas its share of the shuffled order (two micro-batches a step); the
+    loader passed in at the third step reads samples 0-3 on both replicas."""
+    from shardtrain.data import ShardedDataLoader
+    model = OneProcess(layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    replicas = [iter(ShardedDataLoader(dataset, 2, r, 2)) for r in range(2)]
+    first = [dataset[0:2], dataset[2:4]]
+    losses = []
+    for step in range(3):
+        total = 0.0
+        for r in range(2):
+            for micro in range(2):
+                x, y = next(replicas[r]) if step < 2 else first[micro]
+                loss = nn.functional.cross_entropy(model(x), y) / 4
+                loss.backward()
+                total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def case_refusals(rank: int, world: int) -> Dict[str, Any]:
+    """What a pipeline engine refuses, and the bad arguments a PipelineModule gets."""
+    out: Dict[str, Any] = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "accepted"
+        except Exception as e:  # the message is what is checked
+            out[name] = f"{type(e).__name__}: {e}"
+
+    attempt("num_stages", lambda: PipelineModule(specs(), num_stages=3))
+    attempt("partition", lambda: PipelineModule(specs(), num_stages=2, partition_method="best"))
+    attempt("type_none", lambda: PipelineModule(specs(), num_stages=2,
+                                                partition_method="type:Conv"))
+    attempt("schedule", lambda: shardtrain.initialize(
+        model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss),
+        config=config(2, pipeline={"schedule": "zigzag"})))
+    attempt("zero3", lambda: shardtrain.initialize(
+        model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss), config=config(2, 3)))
+    module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
+    engine, *_ = shardtrain.initialize(model=module, config=config(2))
+    x = torch.zeros(B, T, dtype=torch.long)
+    attempt("forward", lambda: engine(x))
+    attempt("step", lambda: engine.step())
+    attempt("save", lambda: engine.save_checkpoint("/nonexistent"))
+    mpu = engine.mpu
+    out["mpu"] = [mpu.get_pipe_parallel_world_size(), mpu.get_stage_id(),
+                  mpu.get_data_parallel_world_size(), mpu.stage_to_global(1),
+                  engine.is_first_stage(), engine.is_last_stage()]
+    engine.destroy()
+    return out
+
+
+def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
+    from _dist import run_cases
+    cases = {
+        "pp4_s0": case_train(4, 0),
+        "pp2_dp2_s1": case_train(2, 1, extra={"zero_optimization": {
+            "stage": 1, "overlap_comm": True, "reduce_bucket_size": 500}}),
+        "pp2_dp2_s2_gpipe": case_train(2, 2, schedule="gpipe"),
+        "pp2_dp2_s0_clip": case_train(2, 0, clip=0.05, partition="uniform"),
+        "pp2_dp2_untied_s2": case_train(2, 2, tied=False, partition="type:Block"),
+        "bf16": case_bf16, "eval": case_eval, "deepspeed_example": case_deepspeed_example,
+        "refusals": case_refusals,
+    }
+    return run_cases(cases, rank, world_size)

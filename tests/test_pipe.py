@@ -1,0 +1,91 @@
+"""Pipeline parallelism over 4 ranks (one process group runs every case of ``cases_pipe``):
+a PipelineModule with a tied embedding and head trains by ``train_batch`` as the same layers
+do in one process, on each schedule, split and ZeRO stage it supports; DeepSpeed's pipeline
+example runs through the alias; mistakes are named."""
+from __future__ import annotations
+
+import pytest
+
+from _dist import result, run_ranks
+
+ATOL = 1e-5
+TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_dp2_untied_s2"]
+
+
+@pytest.fixture(scope="module")
+def run():
+    return None, run_ranks("cases_pipe:all_cases", 4, timeout=300)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
+    """pp4 (1F1B, ZeRO-0), pp2 x dp2 at ZeRO-1 (gradients reduced while the last backward
+    runs), ZeRO-2 under GPipe's order, a clipping norm small enough to clip every step
+    (the true global norm across stages), an untied model split by 'type:Block': each step's
+    loss, the clipped norm and every weight each rank holds equal one process's (fp32)."""
+    for rank in range(4):
+        got = result(run, name, rank)
+        assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+        assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
+        assert got["names"] and not got["missing"], got["missing"]
+        assert got["weights"] < ATOL, got["weights"]
+
+
+def test_stages_hold_their_layers_under_global_names_and_the_formulas_bytes(run):
+    """Stage s holds layers parts[s]..parts[s+1]-1 under their global indices; the tied
+    embedding is a parameter on its first stage only (the head's copy is no parameter);
+    each rank's model-state bytes are the ZeRO formula of its stage's parameters over the
+    stage's data-parallel ranks."""
+    from shardtrain.memory import zero_formula_bytes
+    pp4 = [result(run, "pp4_s0", r) for r in range(4)]
+    assert pp4[0]["parts"] == [0, 2, 4, 6, 8]
+    assert pp4[0]["names"][-1] == "tied_modules.embed.weight"
+    assert not any("tied_modules" in n for r in pp4[1:] for n in r["names"])
+    assert all(n.startswith(("2.", "3.")) for n in pp4[1]["names"])
+    assert all(n.startswith("6.") for n in pp4[3]["names"])  # layer 7: the head's copy
+    for name, stage in (("pp4_s0", 0), ("pp2_dp2_s1", 1), ("pp2_dp2_s2_gpipe", 2)):
+        for rank in range(4):
+            got = result(run, name, rank)
+            formula = zero_formula_bytes(got["numel"], got["mesh"]["dp"], stage)
+            assert got["bytes"]["total"] == pytest.approx(formula, rel=0.02), (name, rank)
+
+
+def test_bf16_pipeline_stays_near_fp32(run):
+    for rank in range(4):
+        got = result(run, "bf16", rank)
+        assert got["dtypes"] == ["torch.bfloat16"]
+        assert got["losses"] == pytest.approx(got["ref"], rel=1e-2)
+
+
+def test_eval_batch_returns_the_global_mean_loss_everywhere(run):
+    for rank in range(4):
+        got = result(run, "eval", rank)
+        assert got["loss"] == pytest.approx(got["ref"], abs=ATOL)
+        assert got["logits"] == ([(2, 6, 32), (2, 6, 32)] if rank >= 2 else None)
+
+
+def test_deepspeeds_pipeline_example_runs_through_the_alias(run):
+    """deepspeed.pipe.PipelineModule of LayerSpecs and plain callables, initialize() with
+    training_data=, train_batch() with no iterator, then over a RepeatingLoader: a
+    PipelineEngine whose losses are one process's on the same samples."""
+    for rank in range(4):
+        got = result(run, "deepspeed_example", rank)
+        assert got["kind"] == "PipelineEngine"
+        assert got["losses"] == pytest.approx(got["ref"], abs=ATOL)
+
+
+def test_mistakes_are_named(run):
+    got = result(run, "refusals", 0)
+    assert "does not divide the world size 4" in got["num_stages"]
+    assert "'best' is not supported" in got["partition"]
+    assert "no layer's class name matches 'Conv'" in got["type_none"]
+    assert "pipeline.schedule 'zigzag'" in got["schedule"]
+    assert got["zero3"].startswith("NotImplementedError: ZeRO stage 3 with a PipelineModule")
+    assert got["forward"].startswith("PipelineError") and "train_batch" in got["forward"]
+    assert got["step"].startswith("PipelineError")
+    assert "pipeline stages are not supported yet" in got["save"]
+    for rank in range(4):
+        # pipe size, stage, data-parallel size, the next stage's rank here, first, last
+        stage = rank // 2
+        assert result(run, "refusals", rank)["mpu"] == [
+            2, stage, 2, 2 + rank % 2, stage == 0, stage == 1]
