@@ -144,16 +144,22 @@ def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b"
     return case
 
 
-def case_bf16(rank: int, world: int) -> Dict[str, Any]:
-    """bf16 with fp32 masters at ZeRO-1 on pp2 x dp2, against fp32 in one process."""
-    module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
-    engine, *_ = shardtrain.initialize(model=module, config=config(4, 1, bf16={"enabled": True}))
-    data = batches(2, 4)
-    replica = engine.mesh.coordinate()["dp"]
-    losses = [float(engine.train_batch(iter(step[replica]))) for step in data]
-    dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
-    engine.destroy()
-    return {"losses": losses, "ref": one_process(specs(), data, 1.0)[0], "dtypes": dtypes}
+def case_16bit(kind: str) -> Callable[[int, int], Dict[str, Any]]:
+    """bf16 or fp16 (loss-scaled: the last stage scales its loss, the other stages' gradients
+    arrive scaled) with fp32 masters at ZeRO-1 on pp2 x dp2, against fp32 in one process."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+        block = {"enabled": True} if kind == "bf16" else {"enabled": True, "initial_scale_power": 8}
+        engine, *_ = shardtrain.initialize(model=module, config=config(4, 1, **{kind: block}))
+        data = batches(2, 4)
+        replica = engine.mesh.coordinate()["dp"]
+        losses = [float(engine.train_batch(iter(step[replica]))) for step in data]
+        dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
+        scale = engine.get_loss_scale()
+        engine.destroy()
+        return {"losses": losses, "ref": one_process(specs(), data, 1.0)[0], "dtypes": dtypes,
+                "scale": scale}
+    return case
 
 
 def case_eval(rank: int, world: int) -> Dict[str, Any]:
@@ -227,6 +233,57 @@ def _example_reference(layers, dataset, rank: int, world: int) -> List[float]:
     return losses
 
 
+def _split(step: List[List[tuple]], dp: int) -> List[List[tuple]]:
+    """One global batch (its micro-batches, whatever replica read them) over ``dp`` replicas."""
+    flat = [mb for replica in step for mb in replica]
+    gas = len(flat) // dp
+    return [flat[r * gas:(r + 1) * gas] for r in range(dp)]
+
+
+def case_checkpoint(root: str) -> Callable[[int, int], Dict[str, Any]]:
+    """Two steps on pp2 x dp2 (ZeRO-1), saved; the third step after loading on pp2 x dp2,
+    on pp4 (ZeRO-0) and on one stage over 4 data-parallel ranks (ZeRO-2) equals one process's
+    third step; the checkpoint consolidates into one process's weights after two steps."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        from shardtrain.checkpoint import consolidate
+        data = batches(2, 4)  # 16 rows a step: 8 micro-batches of 2
+        out: Dict[str, Any] = {}
+        saved = f"{root}/pp2"
+        for label, stages, stage, load in (("pp2_dp2_s1", 2, 1, False), ("pp2_dp2", 2, 1, True),
+                                           ("pp4_s0", 4, 0, True), ("pp1_dp4_s2", 1, 2, True)):
+            module = PipelineModule(specs(), num_stages=stages, loss_fn=lm_loss, seed_layers=True)
+            dp = world // stages
+            engine, *_ = shardtrain.initialize(model=module, config=config(8 // dp, stage))
+            replica = engine.mesh.coordinate()["dp"]
+            if load:
+                engine.load_checkpoint(saved)
+            steps = data[2:] if load else data[:2]
+            losses = [float(engine.train_batch(iter(_split(step, dp)[replica]))) for step in steps]
+            if not load:
+                engine.save_checkpoint(saved, tag="two")
+            got = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            engine.destroy()
+            out[label] = {"losses": losses, "weights": got}
+        ref_losses, _, ref = one_process(specs(), data, 1.0)
+        _, _, ref2 = one_process(specs(), data[:2], 1.0)
+        result = {"ref_losses": ref_losses}
+        for label, got in out.items():
+            final = ref2 if label == "pp2_dp2_s1" else ref
+            result[label] = {"losses": got["losses"],
+                             "weights": max((w - final[n]).abs().max().item()
+                                            for n, w in got["weights"].items()),
+                             "count": len(got["weights"])}
+        if rank == 0:
+            import safetensors.torch
+            consolidate(f"{saved}/two", f"{root}/full.safetensors")
+            full = safetensors.torch.load_file(f"{root}/full.safetensors")
+            result["consolidated"] = {"names": sorted(full) == sorted(ref2),
+                                      "diff": max((full[n].float() - ref2[n]).abs().max().item()
+                                                  for n in ref2)}
+        return result
+    return case
+
+
 def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     """What a pipeline engine refuses, and the bad arguments a PipelineModule gets."""
     out: Dict[str, Any] = {}
@@ -252,7 +309,7 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     x = torch.zeros(B, T, dtype=torch.long)
     attempt("forward", lambda: engine(x))
     attempt("step", lambda: engine.step())
-    attempt("save", lambda: engine.save_checkpoint("/nonexistent"))
+    attempt("save", lambda: engine.save_16bit_model("/nonexistent"))
     mpu = engine.mpu
     out["mpu"] = [mpu.get_pipe_parallel_world_size(), mpu.get_stage_id(),
                   mpu.get_data_parallel_world_size(), mpu.stage_to_global(1),
@@ -261,16 +318,17 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
-def all_cases(rank: int, world_size: int) -> Dict[str, Any]:
+def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     from _dist import run_cases
     cases = {
+        "checkpoint": case_checkpoint(root),
         "pp4_s0": case_train(4, 0),
         "pp2_dp2_s1": case_train(2, 1, extra={"zero_optimization": {
             "stage": 1, "overlap_comm": True, "reduce_bucket_size": 500}}),
         "pp2_dp2_s2_gpipe": case_train(2, 2, schedule="gpipe"),
         "pp2_dp2_s0_clip": case_train(2, 0, clip=0.05, partition="uniform"),
         "pp2_dp2_untied_s2": case_train(2, 2, tied=False, partition="type:Block"),
-        "bf16": case_bf16, "eval": case_eval, "deepspeed_example": case_deepspeed_example,
+        "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval, "deepspeed_example": case_deepspeed_example,
         "refusals": case_refusals,
     }
     return run_cases(cases, rank, world_size)

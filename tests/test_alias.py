@@ -59,9 +59,9 @@ def test_one_object_under_every_path():
 def test_what_is_not_provided_says_so_where_it_is_used():
     cl.require_alias()
     import deepspeed
-    with pytest.raises(ModuleNotFoundError, match="pipeline parallelism.*ZeRO stage 3") as err:
-        import deepspeed.pipe  # noqa: F401
-    assert err.value.name == "deepspeed.pipe"
+    with pytest.raises(ModuleNotFoundError, match="DualPipeV .*Instead: PipelineModule") as err:
+        import deepspeed.runtime.pipe.dualpipev  # noqa: F401
+    assert err.value.name == "deepspeed.runtime.pipe.dualpipev"
     with pytest.raises(ImportError, match="parallel_state_sp.*sequence-parallel group registry"):
         from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="does not provide it"):
@@ -73,7 +73,7 @@ def test_what_is_not_provided_says_so_where_it_is_used():
     with pytest.raises(NotImplementedError, match="DeepSpeedCPULion .the Lion optimizer"):
         from deepspeed.ops.lion import DeepSpeedCPULion
         DeepSpeedCPULion([torch.nn.Parameter(torch.zeros(1))])
-    assert not isinstance(object(), deepspeed.PipelineModule)
+    assert deepspeed.PipelineModule is deepspeed.pipe.PipelineModule
     with pytest.raises(AttributeError):
         _ = deepspeed.no_such_name
 
@@ -82,9 +82,12 @@ def test_what_is_not_provided_says_so_where_it_is_used():
 #: must give: None when the module is there, else what the refusal must name (the feature,
 #: then what to do now)
 PARALLEL_MODULES = {
-    "deepspeed.runtime.pipe": r"pipeline parallelism.*Instead: ZeRO stage 3 .* or tensor parallelism",
-    "deepspeed.runtime.pipe.topology": r"pipeline parallelism \(.*ProcessTopology\)",
-    "deepspeed.pipe": "pipeline parallelism",
+    "deepspeed.runtime.pipe": None,
+    "deepspeed.runtime.pipe.topology": None,
+    "deepspeed.runtime.pipe.module": None,
+    "deepspeed.runtime.pipe.engine": None,
+    "deepspeed.pipe": None,
+    "deepspeed.runtime.pipe.schedule": r"pipeline instruction classes.*schedule key",
     "deepspeed.moe.sharded_moe": None,
     "deepspeed.moe.layer": None,
     "deepspeed.moe.experts": None,

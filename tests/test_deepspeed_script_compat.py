@@ -197,8 +197,16 @@ API: List[Api] = [
     Api("set_autotp_mode", "supported",
         "`training=True` changes nothing (shardtrain's AutoTP is the training one); "
         "`training=False` (DeepSpeed-Inference's) raises NotImplementedError"),
-    Api("PipelineModule", "refused", "pipeline parallelism: NotImplementedError naming it, and ZeRO "
-        "stage 3 or tensor parallelism instead"),
+    Api("PipelineModule", "supported",
+        "is `shardtrain.pipe.PipelineModule` (also `deepspeed.pipe`, with `LayerSpec` and "
+        "`TiedLayerSpec`): DeepSpeed's arguments, partition methods and layer names; "
+        "`initialize` returns a `PipelineEngine` for it ([parallelism.md]"
+        "(parallelism.md#pipeline-parallelism))"),
+    Api("PipelineEngine", "supported",
+        "`train_batch(data_iter)`, `eval_batch(...)`, `set_dataiterator`, `set_batch_fn`, "
+        "`is_first_stage`/`is_last_stage`; 1F1B (or GPipe: `pipeline.schedule`) over ZeRO stages "
+        "0-2; `forward`/`backward`/`step` raise PipelineError as DeepSpeed's do; checkpoints of a "
+        "split model are refused (planned)"),
     Api("DeepSpeedTransformerLayer", "refused", "DeepSpeed's fused kernels: NotImplementedError"),
     Api("add_tuning_arguments", "not provided", "LR range-test arguments; use the config's `scheduler` block"),
     # ZeRO-3 tools
@@ -265,10 +273,16 @@ API: List[Api] = [
         "the host for a kind `engine.offload_states()` moved, the engine's device otherwise; "
         "`offload_adam_states`/`reload_adam_states` (a bare optimizer's) are refused, pointing "
         "at the engine's"),
-    Api("runtime.pipe", "not provided",
-        "pipeline parallelism (`PipelineEngine`, `PipelineModule`, `topology.ProcessTopology`): "
-        "importing it raises ModuleNotFoundError naming it, with ZeRO stage 3 or tensor "
-        "parallelism instead; also `deepspeed.pipe`"),
+    Api("runtime.pipe.topology.PipeModelDataParallelTopology", "supported",
+        "with `ProcessTopology` and `PipeDataParallelTopology`: the same rank layout (pipe, data, "
+        "model); `PipelineParallelGrid` is not provided: `engine.mpu` answers its lookups"),
+    Api("runtime.pipe.engine.PipelineEngine", "supported", "is `deepspeed.PipelineEngine`"),
+    Api("runtime.pipe.module.PipelineError", "supported", "is `shardtrain.errors.PipelineError`"),
+    Api("utils.RepeatingLoader", "supported",
+        "restarts the loader at its end (also `deepspeed.runtime.dataloader.RepeatingLoader`)"),
+    Api("runtime.pipe.dualpipev", "not provided",
+        "DualPipeV: importing it raises ModuleNotFoundError naming it; so do "
+        "`runtime.pipe.schedule` and `runtime.pipe.p2p`"),
     Api("runtime.sequence_parallel.ulysses_sp.TiledMLP", "supported",
         "is `shardtrain.parallel.TiledMLP`: the MLP tile by tile along the sequence, only its "
         "input saved for backward; the parameters' gradient arrives once (no `ds_grad_is_ready`)"),

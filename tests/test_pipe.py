@@ -13,8 +13,9 @@ TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_d
 
 
 @pytest.fixture(scope="module")
-def run():
-    return None, run_ranks("cases_pipe:all_cases", 4, timeout=300)
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe-checkpoints")
+    return None, run_ranks("cases_pipe:all_cases", 4, timeout=300, root=str(root))
 
 
 @pytest.mark.parametrize("name", TRAINED)
@@ -50,11 +51,13 @@ def test_stages_hold_their_layers_under_global_names_and_the_formulas_bytes(run)
             assert got["bytes"]["total"] == pytest.approx(formula, rel=0.02), (name, rank)
 
 
-def test_bf16_pipeline_stays_near_fp32(run):
+@pytest.mark.parametrize("kind,dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
+def test_16_bit_pipelines_stay_near_fp32(run, kind, dtype):
     for rank in range(4):
-        got = result(run, "bf16", rank)
-        assert got["dtypes"] == ["torch.bfloat16"]
+        got = result(run, kind, rank)
+        assert got["dtypes"] == [dtype]
         assert got["losses"] == pytest.approx(got["ref"], rel=1e-2)
+        assert got["scale"] == (1.0 if kind == "bf16" else 256.0)
 
 
 def test_eval_batch_returns_the_global_mean_loss_everywhere(run):
@@ -74,6 +77,21 @@ def test_deepspeeds_pipeline_example_runs_through_the_alias(run):
         assert got["losses"] == pytest.approx(got["ref"], abs=ATOL)
 
 
+def test_checkpoints_move_between_pipeline_sizes(run):
+    """Saved on pp2 x dp2 (ZeRO-1) after two steps, loaded on pp2 x dp2, pp4 (ZeRO-0) and one
+    stage over 4 data-parallel ranks (ZeRO-2): each third step is one process's (loss and
+    every weight); consolidated in one process, the checkpoint is one process's weights."""
+    for rank in range(4):
+        got = result(run, "checkpoint", rank)
+        for label in ("pp2_dp2_s1", "pp2_dp2", "pp4_s0", "pp1_dp4_s2"):
+            assert got[label]["weights"] < ATOL, (label, rank)
+        assert got["pp2_dp2_s1"]["losses"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
+        for label in ("pp2_dp2", "pp4_s0", "pp1_dp4_s2"):
+            assert got[label]["losses"] == pytest.approx(got["ref_losses"][2:], abs=ATOL)
+    assert result(run, "checkpoint", 0)["consolidated"] == {"names": True, "diff": pytest.approx(
+        0.0, abs=ATOL)}
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "does not divide the world size 4" in got["num_stages"]
@@ -83,7 +101,7 @@ def test_mistakes_are_named(run):
     assert got["zero3"].startswith("NotImplementedError: ZeRO stage 3 with a PipelineModule")
     assert got["forward"].startswith("PipelineError") and "train_batch" in got["forward"]
     assert got["step"].startswith("PipelineError")
-    assert "pipeline stages are not supported yet" in got["save"]
+    assert "save_16bit_model of a model split into pipeline stages" in got["save"]
     for rank in range(4):
         # pipe size, stage, data-parallel size, the next stage's rank here, first, last
         stage = rank // 2

@@ -290,20 +290,15 @@ class PipelineEngine(Engine):
         comm.all_reduce(flag, group=self.mesh.pp)
         return flag.item() == 0.0
 
-    # -- what is not there yet --------------------------------------------------------------
-
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
-        if self.num_stages == 1:
-            return super().save_checkpoint(save_dir, tag, client_state, save_latest,
-                                           exclude_frozen_parameters)
-        raise NotImplementedError(_NO_CHECKPOINTS)
+    # -- checkpoints ------------------------------------------------------------------------
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, **kwargs: Any):
-        if self.num_stages == 1:
-            return super().load_checkpoint(load_dir, tag, **kwargs)
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        """As the engine's (each stage reads its layers of the unsplit model the checkpoint
+        holds, saved on any pipeline size); the tied weights' copies then take the owners'
+        loaded values."""
+        out = super().load_checkpoint(load_dir, tag, **kwargs)
+        self._send_tied_weights()
+        return out
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -312,9 +307,10 @@ class PipelineEngine(Engine):
         raise NotImplementedError(_NO_CHECKPOINTS)
 
 
-_NO_CHECKPOINTS = ("checkpoints and full-weight exports of a model split into pipeline stages "
-                   "are not supported yet: each stage holds other layers. Train with "
-                   "num_stages=1 to save, or keep the engine's state in memory.")
+_NO_CHECKPOINTS = ("save_16bit_model of a model split into pipeline stages is not supported yet: "
+                   "each stage holds other layers. Save a checkpoint (engine.save_checkpoint) "
+                   "and write the full weights from it with shardtrain.checkpoint.consolidate "
+                   "(or `shardtrain consolidate`).")
 
 
 def _keep_grad(tensor: torch.Tensor) -> None:

@@ -118,12 +118,34 @@ def trainables(parts: TrainingParts) -> Dict[str, Trainable]:
             for name, p in named_params(parts) for slot in [slots.get(id(p))] if slot is not None}
 
 
-def plain_layout(parts: TrainingParts) -> bool:
-    """Whether this rank's optimizer slices are the checkpoint's even shards over the world:
-    no tensor-parallel slice, and the optimizer's slices spread over every rank (not a
-    data-parallel group of a mesh)."""
+def writers(parts: TrainingParts) -> comm.Group:
+    """The ranks that hold this rank's parameters and write their even shards: the world,
+    or with pipeline stages the ranks of this rank's stage (each stage writes its layers)."""
     mesh = parts.mesh
-    spread = mesh is None or mesh.zero.size() == comm.get_world_size()
+    return mesh.stage if mesh is not None and mesh.sizes.get("pp", 1) > 1 else comm.WORLD
+
+
+def pipelined(parts: TrainingParts) -> bool:
+    return writers(parts) is not comm.WORLD
+
+
+def model_names(parts: TrainingParts) -> Optional[set]:
+    """With pipeline stages, the saved names of every stage's parameters and buffers (a
+    collective: each stage holds other layers); None without stages."""
+    if not pipelined(parts):
+        return None
+    mine = [saved for name, p in named_params(parts) for saved in saved_names(name, p)]
+    mine += [name for name, _ in named_buffers(parts)]
+    return {name for names in comm.all_gather_object(mine) for name in names}
+
+
+def plain_layout(parts: TrainingParts) -> bool:
+    """Whether this rank's optimizer slices are the checkpoint's even shards over the ranks
+    that write them (the world, or a pipeline stage): no tensor-parallel slice, and the
+    optimizer's slices spread over every one of those ranks (not a data-parallel group of
+    a mesh)."""
+    mesh = parts.mesh
+    spread = mesh is None or mesh.zero.size() == writers(parts).size()
     return spread and not any_tp_split(parts) and not any_split_expert(parts)
 
 

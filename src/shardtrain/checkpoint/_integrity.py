@@ -123,14 +123,28 @@ def check_layout(meta: Mapping[str, Any], meta_path: str) -> None:
     if not isinstance(world, int) or world < 1:
         raise corrupted(meta_path, f"field 'world_size' is {world!r}")
     _check_files(meta_path, meta["files"], world)
+    stages = _check_stages(meta_path, meta.get("stages"), world)
     for field in ("params", "buffers"):
         if not isinstance(meta[field], dict):
             raise corrupted(meta_path, f"field {field!r} is not an object")
         for name, entry in meta[field].items():
-            _check_entry(meta_path, f"{field}[{name!r}]", entry, world)
+            _check_entry(meta_path, f"{field}[{name!r}]", entry, world, stages)
 
 
-def _check_entry(meta_path: str, where: str, entry: Any, world: int) -> None:
+def _check_stages(meta_path: str, stages: Any, world: int) -> Optional[List[List[int]]]:
+    """A pipeline-parallel save's stages: lists of global ranks that together are the world."""
+    if stages is None:
+        return None
+    if not isinstance(stages, list) or not all(
+            isinstance(s, list) and s and all(isinstance(r, int) for r in s) for s in stages) \
+            or sorted(r for s in stages for r in s) != list(range(world)):
+        raise corrupted(meta_path, f"field 'stages' is {stages!r}, not the world's ranks split "
+                                   "into pipeline stages")
+    return stages
+
+
+def _check_entry(meta_path: str, where: str, entry: Any, world: int,
+                 stages: Optional[List[List[int]]] = None) -> None:
     if not isinstance(entry, dict):
         raise corrupted(meta_path, f"{where} is not an object")
     shape, numel = entry.get("shape"), entry.get("numel")
@@ -138,11 +152,18 @@ def _check_entry(meta_path: str, where: str, entry: Any, world: int) -> None:
             or not isinstance(numel, int) or numel != math.prod(shape):
         raise corrupted(meta_path, f"{where} has shape {shape!r} and numel {numel!r}, which "
                                    "do not agree")
+    ranks = list(range(world))
+    if stages is not None:  # the ranks of its pipeline stage wrote it
+        stage = entry.get("stage")
+        if not isinstance(stage, int) or not 0 <= stage < len(stages):
+            raise corrupted(meta_path, f"{where}.stage is {stage!r}, not one of the "
+                                       f"{len(stages)} pipeline stages")
+        ranks = stages[stage]
     if entry.get("trainable"):
-        expected = [[r, *shard_range(numel, world, r)] for r in range(world)]
+        expected = [[r, *shard_range(numel, len(ranks), i)] for i, r in enumerate(ranks)]
         expected = [p for p in expected if p[2] > p[1]]
     else:
-        expected = [[0, 0, numel]] if numel else []
+        expected = [[ranks[0], 0, numel]] if numel else []
     if entry.get("pieces") != expected:
         raise corrupted(meta_path, f"{where}.pieces is {entry.get('pieces')!r}, but a save on "
                                    f"{world} rank(s) puts it at {expected}")

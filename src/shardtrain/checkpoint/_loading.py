@@ -55,7 +55,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None,
         logger.warning("load_checkpoint: %s has no 'latest' file; nothing loaded. Pass tag= "
                        "to choose a checkpoint.", os.path.join(load_dir, LATEST))
         return None, None
-    loaded = _read_and_check(parts, load_dir, found, tag_dir, meta, options)
+    everywhere = engine_state.model_names(parts)  # pipeline stages: every stage's names
+    loaded = _read_and_check(parts, load_dir, found, tag_dir, meta, options, everywhere)
     apply(parts, meta, loaded, options)
     return tag_dir, loaded.client
 
@@ -73,7 +74,7 @@ def _locate(load_dir: str, tag: Optional[str]
 
 def _read_and_check(parts: TrainingParts, load_dir: str, found: List[Optional[str]],
                     tag_dir: Optional[str], meta: Optional[Dict[str, Any]],
-                    options: LoadOptions) -> Loaded:
+                    options: LoadOptions, everywhere: Optional[set] = None) -> Loaded:
     """Everything this rank will apply; raises on every rank if any rank cannot load."""
     box: List[Optional[Problem]] = [None]
     loaded = Loaded()
@@ -87,7 +88,7 @@ def _read_and_check(parts: TrainingParts, load_dir: str, found: List[Optional[st
             _verify_share(reader, meta)
         agree(box[0])
         with capture(box):
-            loaded = _read_everything(parts, meta, reader, options)
+            loaded = _read_everything(parts, meta, reader, options, everywhere)
         agree(box[0])
     return loaded
 
@@ -102,9 +103,9 @@ def _verify_share(reader: Reader, meta: Dict[str, Any]) -> None:
 
 
 def _read_everything(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
-                     options: LoadOptions) -> Loaded:
+                     options: LoadOptions, everywhere: Optional[set] = None) -> Loaded:
     try:
-        _check_model(parts, meta, reader.path(META), options.strict)
+        _check_model(parts, meta, reader.path(META), options.strict, everywhere)
         loaded = Loaded()
         _read_module(parts, meta, reader, loaded)
         _check_sampler(parts, meta, reader.path(META), options)
@@ -119,8 +120,11 @@ def _read_everything(parts: TrainingParts, meta: Dict[str, Any], reader: Reader,
 
 # -- the model ----------------------------------------------------------------------------------
 
-def _check_model(parts: TrainingParts, meta: Dict[str, Any], where: str, strict: bool) -> None:
-    """Names and shapes: a checkpoint of another model is refused before anything is read."""
+def _check_model(parts: TrainingParts, meta: Dict[str, Any], where: str, strict: bool,
+                 everywhere: Optional[set] = None) -> None:
+    """Names and shapes: a checkpoint of another model is refused before anything is read.
+    With pipeline stages (``everywhere``: every stage's names), a name another stage holds
+    is not unexpected here."""
     ckpt_dir = os.path.dirname(where)
     # a split expert answers for the experts every rank of its group holds under its name
     params = {saved: p for name, p in engine_state.named_params(parts)
@@ -136,7 +140,7 @@ def _check_model(parts: TrainingParts, meta: Dict[str, Any], where: str, strict:
                     "for another model."))
         excluded = set(meta.get("excluded_frozen", [])) if kind == "parameter" else set()
         missing = sorted(set(current) - set(saved) - excluded)
-        unexpected = sorted(set(saved) - set(current))
+        unexpected = sorted(set(saved) - (everywhere if everywhere is not None else set(current)))
         if strict and (missing or unexpected):
             raise Problem(ValueError, (
                 f"checkpoint {ckpt_dir} does not match the model's {kind}s: missing from the "

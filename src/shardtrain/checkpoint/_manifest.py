@@ -45,34 +45,65 @@ def elementwise(value: Any, tensor: torch.Tensor) -> bool:
 
 def describe(parts: TrainingParts, trainables: Dict[str, Trainable],
              exclude_frozen: bool) -> Dict[str, Any]:
-    """meta.json without the tag and the files' sizes and CRC32s (rank 0 adds them last)."""
+    """meta.json without the tag and the files' sizes and CRC32s (rank 0 adds them last).
+
+    Every parameter is cut into even pieces over the ranks that hold it (the world; with
+    pipeline stages, its stage's ranks, whose first writes the whole tensors): with stages,
+    every rank calls this (a collective) and rank 0 joins the stages' parameters, buffers
+    and aliases in stage order."""
     world = comm.get_world_size()
-    params, excluded = _params_meta(parts, trainables, exclude_frozen, world)
-    buffers = {n: _tensor_meta(b, [(0, 0, b.numel())] if b.numel() else [])
+    writers = engine_state.writers(parts)
+    params, excluded = _params_meta(parts, trainables, exclude_frozen, writers)
+    first = writers.ranks()[0]
+    buffers = {n: _tensor_meta(b, [(first, 0, b.numel())] if b.numel() else [])
                for n, b in engine_state.named_buffers(parts)}
+    aliases = engine_state.aliases(parts)
+    stages = None
+    if engine_state.pipelined(parts):
+        here = parts.mesh.coordinate()["pp"]
+        for entry in list(params.values()) + list(buffers.values()):
+            entry["stage"] = here  # its pieces are even over that stage's ranks
+        mine = (here, writers.ranks(), params, buffers, aliases, excluded) \
+            if writers.rank() == 0 else None
+        params, buffers, aliases, excluded, stages = {}, {}, {}, [], []
+        for stage in sorted((s for s in comm.all_gather_object(mine) if s is not None),
+                            key=lambda s: s[0]):
+            stages.append(stage[1])
+            params.update(stage[2])
+            buffers.update(stage[3])
+            aliases.update(stage[4])
+            excluded += stage[5]
+    meta = _meta(parts, world, params, buffers, aliases, excluded)
+    if stages is not None:
+        meta["stages"] = stages  # the global ranks of each pipeline stage
+    return meta
+
+
+def _meta(parts: TrainingParts, world: int, params: Dict[str, Any], buffers: Dict[str, Any],
+          aliases: Dict[str, str], excluded: List[str]) -> Dict[str, Any]:
     return {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world,
             "zero_stage": engine_state.zero_stage(parts),
             "precision": engine_state.precision(parts), "config": engine_state.config_dict(parts),
             "model_config": engine_state.model_config(parts),
             "counters": engine_state.counters(parts), "params": params, "buffers": buffers,
-            "aliases": engine_state.aliases(parts), "excluded_frozen": excluded,
+            "aliases": aliases, "excluded_frozen": excluded,
             "optimizer": _optimizer_meta(parts), "lr_scheduler": _scheduler_meta(parts),
             "loss_scaler": engine_state.loss_scaler(parts).state_dict(),
             "data_sampler": _sampler_meta(parts)}
 
 
 def _params_meta(parts: TrainingParts, trainables: Dict[str, Trainable], exclude_frozen: bool,
-                 world: int) -> Tuple[Dict[str, Any], List[str]]:
+                 writers: comm.Group) -> Tuple[Dict[str, Any], List[str]]:
     """Every parameter's entry, and the names of the frozen ones left out."""
     params, excluded = {}, []
     for saved, name, p in _in_saved_order(engine_state.named_params(parts)):
         if name in trainables:
-            params[saved] = _trainable_meta(parts, trainables[name], world)
+            params[saved] = _trainable_meta(parts, trainables[name], writers)
         elif exclude_frozen:
             excluded.append(saved)
         else:
             n = engine_state.numel(p)
-            params[saved] = _tensor_meta(p, [(0, 0, n)] if n else [])
+            params[saved] = _tensor_meta(p, [(writers.ranks()[0], 0, n)] if n else [])
     return params, excluded
 
 
@@ -120,9 +151,10 @@ def _tensor_meta(t: torch.Tensor, pieces: List[Piece]) -> Dict[str, Any]:
             "pieces": [list(p) for p in pieces]}
 
 
-def _trainable_meta(parts: TrainingParts, t: Trainable, world: int) -> Dict[str, Any]:
+def _trainable_meta(parts: TrainingParts, t: Trainable, writers: comm.Group) -> Dict[str, Any]:
     n = engine_state.numel(t.param)
-    pieces = [(r, *shard_range(n, world, r)) for r in range(world)]
+    ranks = writers.ranks()
+    pieces = [(rank, *shard_range(n, len(ranks), i)) for i, rank in enumerate(ranks)]
     entry = _tensor_meta(t.param, [p for p in pieces if p[2] > p[1]])
     entry.update(trainable=True, master=t.param.dtype != torch.float32)
     opt = engine_state.optimizer(parts)

@@ -135,7 +135,8 @@ def _stacked(p: torch.Tensor) -> bool:
     return split is not None and split.stacked
 
 
-def even_shard(full: torch.Tensor) -> torch.Tensor:
-    """This rank's even shard over the world of an unsplit flattened tensor."""
-    lo, hi = shard_range(full.numel(), comm.get_world_size(), comm.get_rank())
+def even_shard(full: torch.Tensor, writers: comm.Group = comm.WORLD) -> torch.Tensor:
+    """This rank's even shard over ``writers`` (the world, or a pipeline stage) of an unsplit
+    flattened tensor."""
+    lo, hi = shard_range(full.numel(), writers.size(), writers.rank())
     return full[lo:hi]

@@ -61,22 +61,25 @@ def stage_rank(parts: TrainingParts, client_state: Dict[str, Any],
     rank_json = {"rank": rank, "rng": rng_json,
                  "client": {"json": client_json, "tensors": sorted(client_tensors),
                             "objects": sorted(map(str, client_objects))}}
-    meta = describe(parts, trainables, exclude_frozen) if rank == 0 else None
+    meta = describe(parts, trainables, exclude_frozen) \
+        if rank == 0 or engine_state.pipelined(parts) else None
     return Staged(cpu, rank_json, meta, rank, pickle_objects(client_objects), ranges)
 
 
 def _model_tensors(parts: TrainingParts, trainables: Dict[str, Trainable],
                    exclude_frozen: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[int]]]:
-    """This rank's shards of the trainable parameters; on rank 0, the whole tensors too;
-    and for each, the ``[lo, hi)`` of the flattened parameter it holds."""
-    rank, world = comm.get_rank(), comm.get_world_size()
+    """This rank's shards of the trainable parameters; on the first rank of the writers (rank
+    0, or each pipeline stage's first), the whole tensors too; and for each, the ``[lo, hi)``
+    of the flattened parameter it holds."""
+    group = engine_state.writers(parts)
+    rank, world = group.rank(), group.size()
     tensors: Dict[str, torch.Tensor] = {}
     ranges: Dict[str, List[int]] = {}
     plain = engine_state.plain_layout(parts)
     keys = {} if plain else mesh.state_keys(parts, trainables)
     for t in trainables.values():
         shard = _trainable_shard(parts, t, world, rank) if plain else \
-            _trainable_shard_on_mesh(parts, t, keys.get(t.name, {}))
+            _trainable_shard_on_mesh(parts, t, keys.get(t.name, {}), group)
         tensors.update(shard)
         lo, hi = shard_range(engine_state.numel(t.param), world, rank)
         ranges.update({key: [lo, hi] for key in shard})
@@ -114,8 +117,8 @@ def _trainable_shard(parts: TrainingParts, t: Trainable, world: int,
     return out
 
 
-def _trainable_shard_on_mesh(parts: TrainingParts, t: Trainable,
-                             keys: Dict[str, torch.dtype]) -> Dict[str, torch.Tensor]:
+def _trainable_shard_on_mesh(parts: TrainingParts, t: Trainable, keys: Dict[str, torch.dtype],
+                             writers: comm.Group) -> Dict[str, torch.Tensor]:
     """This rank's even shard of the unsplit parameter, master and per-element states, each
     rebuilt from the mesh's slices (collectives every rank joins, whatever its shard); a
     split expert's, for the expert it is on each rank of its expert-parallel group."""
@@ -132,7 +135,7 @@ def _trainable_shard_on_mesh(parts: TrainingParts, t: Trainable,
     out = {}
     for pattern, local in values.items():
         for name, full in zip(names, mesh.over_experts(mesh.unsplit(local, p), p)):
-            out[pattern.format(name)] = mesh.even_shard(full).clone()
+            out[pattern.format(name)] = mesh.even_shard(full, writers).clone()
     return {name: value for name, value in out.items() if value.numel()}
 
 

@@ -125,7 +125,10 @@ class ShardConfig(_ConfigModel):
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile")
     timers: _Block = Field(default_factory=dict, description="throughput timers")
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig, description="autotuner")
-    pipeline: _Block = Field(default_factory=dict, description="pipeline parallelism")
+    pipeline: _Block = Field(default_factory=dict, description=(
+        "pipeline parallelism: read by a PipelineModule's engine (schedule, "
+        "activation_checkpoint_interval; unknown keys refused there), ignored for other models "
+        "as DeepSpeed does"))
     tensor_parallel: _Block = Field(default_factory=dict, description="tensor parallelism")
     expert_parallel: _Block = Field(default_factory=dict, description="expert parallelism")
     hybrid_engine: _Block = Field(default_factory=dict, description="hybrid engine")

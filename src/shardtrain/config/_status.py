@@ -112,8 +112,6 @@ NO_EFFECT: Dict[str, str] = {
         "save_16bit_model always gathers full weights at stage 3",
     "zero_optimization.allgather_partitions":
         "updated shards are always all-gathered (a broadcast per rank gives the same result, slower)",
-    "pipeline": "read only for a pipeline-parallel model (PipelineModule, planned); DeepSpeed "
-                "ignores it for any other model too",
     "aio": "tunes asynchronous NVMe I/O, which only NVMe offload and the fast checkpoint writers "
            "use (both planned)",
     "autotuning.model_info.num_params":
