@@ -328,7 +328,8 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         "pp2_dp2_s2_gpipe": case_train(2, 2, schedule="gpipe"),
         "pp2_dp2_s0_clip": case_train(2, 0, clip=0.05, partition="uniform"),
         "pp2_dp2_untied_s2": case_train(2, 2, tied=False, partition="type:Block"),
-        "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval, "deepspeed_example": case_deepspeed_example,
+        "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval,
+        "deepspeed_example": case_deepspeed_example,
         "refusals": case_refusals,
     }
     return run_cases(cases, rank, world_size)
