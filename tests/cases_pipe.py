@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import shardtrain
-from shardtrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardtrain.full_weights import full_state_dict
+from shardtrain.pipe import LayerSpec, PipeModelDataParallelTopology, PipelineModule, TiedLayerSpec
 
 V, H, T, B = 32, 16, 6, 2   # vocabulary, width, tokens per row, rows per micro-batch
 LAYERS, STEPS, SEED = 6, 3, 7
@@ -107,6 +108,11 @@ def config(gas: int, stage: int = 0, clip: float = 1.0, **extra: Any) -> Dict[st
                                                       "eps": 1e-8}}, **extra}
 
 
+TP_BLOCKS = {"autotp_size": 2, "partition_config": {"layer_specs": [
+    {"patterns": [r".*\.fc\.(weight|bias)$"], "partition_type": "column"},
+    {"patterns": [r".*\.out\.weight$"], "partition_type": "row"}]}}
+
+
 def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b",
                clip: float = 1.0, tied: bool = True, topology: Optional[Callable] = None,
                extra: Optional[Dict[str, Any]] = None, partition: str = "parameters"
@@ -127,9 +133,9 @@ def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b"
         for step in data:
             losses.append(float(engine.train_batch(iter(step[replica]))))
             norms.append(engine.get_global_grad_norm())
-        params = list(engine.module.parameters())
-        with shardtrain.zero.GatheredParameters(params):  # stage 3: whole, for comparing
-            got = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        names = {n for n, _ in engine.module.named_parameters()}
+        got = {n: v.detach().float().clone()  # tensor-parallel slices joined
+               for n, v in full_state_dict(engine.module, rank=None).items() if n in names}
         mesh = dict(engine.mesh.sizes)
         parts = engine.module.partitions()
         bytes_held = engine.model_state_bytes()
@@ -240,20 +246,97 @@ def _split(step: List[List[tuple]], dp: int) -> List[List[tuple]]:
     return [flat[r * gas:(r + 1) * gas] for r in range(dp)]
 
 
-def case_checkpoint(root: str) -> Callable[[int, int], Dict[str, Any]]:
-    """Two steps on pp2 x dp2 (ZeRO-1), saved; the third step after loading on pp2 x dp2,
-    on pp4 (ZeRO-0) and on one stage over 4 data-parallel ranks (ZeRO-2) equals one process's
-    third step; the checkpoint consolidates into one process's weights after two steps."""
+def llama(tie: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(11)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        tie_word_embeddings=tie, attn_implementation="eager"))
+
+
+def case_llama(stages: int, stage: int, tie: bool, root: str = ""
+               ) -> Callable[[int, int], Dict[str, Any]]:
+    """transformers' Llama split into stages by its decoder layers (eager attention: the
+    model's own causal mask on each stage), against the whole model in one process; with
+    ``root``, its checkpoint exported to the Hugging Face layout and read by from_pretrained."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        from shardtrain.pipe import split_causal_lm
+        module = split_causal_lm(llama(tie), num_stages=stages)
+        dp = world // stages
+        engine, *_ = shardtrain.initialize(model=module, config=config(8 // dp, stage))
+        data = [[[(x, x) for x, _ in replica] for replica in step] for step in batches(2, 4)]
+        replica = engine.mesh.coordinate()["dp"]
+        losses, norms = [], []
+        for step in data:
+            losses.append(float(engine.train_batch(iter(_split(step, dp)[replica]))))
+            norms.append(engine.get_global_grad_norm())
+        got = {n: v.detach().float().clone()
+               for n, v in full_state_dict(engine.module, rank=None).items()}
+        names = sorted(n for n, _ in engine.module.named_parameters())
+        if root:
+            engine.save_checkpoint(f"{root}/llama", tag="end")
+        engine.destroy()
+        exported = None
+        if root and rank == 0:
+            from transformers import LlamaForCausalLM
+            from shardtrain.checkpoint import export_pretrained
+            export_pretrained(f"{root}/llama/end", f"{root}/llama-hf")
+            exported = dict(LlamaForCausalLM.from_pretrained(f"{root}/llama-hf").named_parameters())
+        model = llama(tie)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, eps=1e-8)
+        ref_losses, ref_norms = [], []
+        for step in data:
+            flat = [mb for r in step for mb in r]
+            total = 0.0
+            for x, y in flat:
+                loss = model(input_ids=x, labels=y).loss / len(flat)
+                loss.backward()
+                total += loss.item()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(total)
+        ref = dict(model.named_parameters())
+        out = {"losses": losses, "ref_losses": ref_losses, "norms": norms,
+               "ref_norms": ref_norms, "names": names, "missing": sorted(set(got) - set(ref)),
+               "weights": max((got[n] - ref[n].detach()).abs().max().item() for n in got)}
+        if exported is not None:
+            out["exported"] = {"names": sorted(exported) == sorted(ref), "diff": max(
+                (exported[n].detach() - ref[n].detach()).abs().max().item() for n in ref)}
+        return out
+    return case
+
+
+#: (label, stages, tensor-parallel size, ZeRO stage, loads): the first saves after two steps
+FOUR_RANK_MOVES = [("pp2_dp2_s1", 2, 1, 1, False), ("pp2_dp2", 2, 1, 1, True),
+                   ("pp4_s0", 4, 1, 0, True), ("pp1_dp4_s2", 1, 1, 2, True)]
+EIGHT_RANK_MOVES = [("pp2_dp2_tp2_s1", 2, 2, 1, False), ("pp4_dp2_s1", 4, 1, 1, True),
+                    ("pp2_tp2_dp2_s2", 2, 2, 2, True)]
+
+
+def _module(stages: int, tp: int, world: int) -> PipelineModule:
+    topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp,
+                                             num_dp=world // (stages * tp)) if tp > 1 else None
+    return PipelineModule(specs(), num_stages=None if topology else stages, topology=topology,
+                          loss_fn=lm_loss, seed_layers=True)
+
+
+def case_checkpoint(root: str, moves) -> Callable[[int, int], Dict[str, Any]]:
+    """Two steps on the first setup, saved; the third step after loading it on each of the
+    others equals one process's third step (loss and every weight, tensor-parallel slices
+    joined); the checkpoint consolidates into one process's weights after two steps."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         from shardtrain.checkpoint import consolidate
         data = batches(2, 4)  # 16 rows a step: 8 micro-batches of 2
         out: Dict[str, Any] = {}
-        saved = f"{root}/pp2"
-        for label, stages, stage, load in (("pp2_dp2_s1", 2, 1, False), ("pp2_dp2", 2, 1, True),
-                                           ("pp4_s0", 4, 0, True), ("pp1_dp4_s2", 1, 2, True)):
-            module = PipelineModule(specs(), num_stages=stages, loss_fn=lm_loss, seed_layers=True)
-            dp = world // stages
-            engine, *_ = shardtrain.initialize(model=module, config=config(8 // dp, stage))
+        saved = f"{root}/saved{world}"
+        for label, stages, tp, stage, load in moves:
+            dp = world // (stages * tp)
+            cfg = config(8 // dp, stage)
+            if tp > 1:
+                cfg["tensor_parallel"] = TP_BLOCKS
+            engine, *_ = shardtrain.initialize(model=_module(stages, tp, world), config=cfg)
             replica = engine.mesh.coordinate()["dp"]
             if load:
                 engine.load_checkpoint(saved)
@@ -261,22 +344,23 @@ def case_checkpoint(root: str) -> Callable[[int, int], Dict[str, Any]]:
             losses = [float(engine.train_batch(iter(_split(step, dp)[replica]))) for step in steps]
             if not load:
                 engine.save_checkpoint(saved, tag="two")
-            got = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            names = {n for n, _ in engine.module.named_parameters()}
+            got = {n: v.detach().float().clone()
+                   for n, v in full_state_dict(engine.module, rank=None).items() if n in names}
             engine.destroy()
-            out[label] = {"losses": losses, "weights": got}
+            out[label] = {"losses": losses, "weights": got, "load": load}
         ref_losses, _, ref = one_process(specs(), data, 1.0)
         _, _, ref2 = one_process(specs(), data[:2], 1.0)
-        result = {"ref_losses": ref_losses}
+        result: Dict[str, Any] = {"ref_losses": ref_losses}
         for label, got in out.items():
-            final = ref2 if label == "pp2_dp2_s1" else ref
-            result[label] = {"losses": got["losses"],
+            final = ref if got["load"] else ref2
+            result[label] = {"losses": got["losses"], "load": got["load"],
                              "weights": max((w - final[n]).abs().max().item()
-                                            for n, w in got["weights"].items()),
-                             "count": len(got["weights"])}
+                                            for n, w in got["weights"].items())}
         if rank == 0:
             import safetensors.torch
-            consolidate(f"{saved}/two", f"{root}/full.safetensors")
-            full = safetensors.torch.load_file(f"{root}/full.safetensors")
+            consolidate(f"{saved}/two", f"{root}/full{world}.safetensors")
+            full = safetensors.torch.load_file(f"{root}/full{world}.safetensors")
             result["consolidated"] = {"names": sorted(full) == sorted(ref2),
                                       "diff": max((full[n].float() - ref2[n]).abs().max().item()
                                                   for n in ref2)}
@@ -318,16 +402,34 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+def _tp2(world: int) -> PipeModelDataParallelTopology:
+    return PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=world // 4)
+
+
+def eight_ranks(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
+    """3-D parallelism: pp2 x dp2 x tp2 trained, and its checkpoint moved to pp4 x dp2 and
+    back to pp2 x tp2 x dp2 at ZeRO-2."""
+    from _dist import run_cases
+    cases = {"pp2_dp2_tp2_s1": case_train(2, 1, topology=_tp2,
+                                          extra={"tensor_parallel": TP_BLOCKS}),
+             "checkpoint": case_checkpoint(root, EIGHT_RANK_MOVES)}
+    return run_cases(cases, rank, world_size)
+
+
 def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     from _dist import run_cases
     cases = {
-        "checkpoint": case_checkpoint(root),
+        "checkpoint": case_checkpoint(root, FOUR_RANK_MOVES),
+        "llama_pp2_dp2_tied_s1": case_llama(2, 1, True, root),
+        "llama_pp4_s0": case_llama(4, 0, False),
         "pp4_s0": case_train(4, 0),
         "pp2_dp2_s1": case_train(2, 1, extra={"zero_optimization": {
             "stage": 1, "overlap_comm": True, "reduce_bucket_size": 500}}),
         "pp2_dp2_s2_gpipe": case_train(2, 2, schedule="gpipe"),
         "pp2_dp2_s0_clip": case_train(2, 0, clip=0.05, partition="uniform"),
         "pp2_dp2_untied_s2": case_train(2, 2, tied=False, partition="type:Block"),
+        # AutoTP splits each Block's fc (column) and out (row) over a stage's two ranks
+        "pp2_tp2_s1": case_train(2, 1, topology=_tp2, extra={"tensor_parallel": TP_BLOCKS}),
         "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval,
         "deepspeed_example": case_deepspeed_example,
         "refusals": case_refusals,

@@ -173,3 +173,30 @@ def test_tiling_benchmark_smoke_run(tmp_path):
         if r["tiles"] > 1:
             assert r["ratio"] < 0.8 and r["max_abs_diff"] < 1e-5, r
 
+
+def test_pipe_benchmark_smoke_run(tmp_path):
+    """bench_pipe.py --tiny (2 ranks, 2 stages): shardtrain's engine and torch's pipelining
+    both run 1F1B and GPipe, start from the same loss, send exactly the analytic bytes, and
+    keep as many micro-batches alive as their schedules imply."""
+    out = tmp_path / "pipe.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_pipe.py"), "--tiny", "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    p, m = got["stages"], got["micro_batches"]
+    assert (p, got["world"], got["errors"]) == (2, 2, {})
+    assert got["theory_bubble"] == pytest.approx((p - 1) / (m + p - 1))
+    assert [(r["engine"], r["schedule"]) for r in got["rows"]] == [
+        ("shardtrain", "1f1b"), ("shardtrain", "gpipe"), ("torch", "1f1b"), ("torch", "gpipe")]
+    for r in got["rows"]:
+        assert r["step_s"] > 0 and len(r["idle"]) == len(r["wait"]) == p
+        assert all(0 <= x <= 1 for x in r["idle"] + r["wait"])
+        assert r["sent"] == r["analytic_sent"] and min(r["sent"]) > 0, r
+        assert r["in_flight"] == r["schedule_in_flight"] and min(r["peak_activation_bytes"]) > 0
+    assert got["weight_diff"] == 0.0
+    for schedule in ("1f1b", "gpipe"):
+        assert got["first_step_loss"][schedule]["diff"] < 1e-4, got["first_step_loss"]
+        assert got["ratios"][schedule] > 0
+    for heading in ("step time", "idle share", "bytes sent per rank", "activations kept"):
+        assert heading in proc.stdout

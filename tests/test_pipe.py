@@ -1,4 +1,5 @@
-"""Pipeline parallelism over 4 ranks (one process group runs every case of ``cases_pipe``):
+"""Pipeline parallelism over 4 and 8 ranks (one process group per world size runs the cases of
+``cases_pipe``):
 a PipelineModule with a tied embedding and head trains by ``train_batch`` as the same layers
 do in one process, on each schedule, split and ZeRO stage it supports; DeepSpeed's pipeline
 example runs through the alias; mistakes are named."""
@@ -9,7 +10,8 @@ import pytest
 from _dist import result, run_ranks
 
 ATOL = 1e-5
-TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_dp2_untied_s2"]
+TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_dp2_untied_s2",
+           "pp2_tp2_s1"]
 
 
 @pytest.fixture(scope="module")
@@ -18,18 +20,49 @@ def run(tmp_path_factory):
     return None, run_ranks("cases_pipe:all_cases", 4, timeout=300, root=str(root))
 
 
+@pytest.fixture(scope="module")
+def run8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe-3d")
+    return None, run_ranks("cases_pipe:eight_ranks", 8, timeout=300, root=str(root))
+
+
 @pytest.mark.parametrize("name", TRAINED)
 def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
     """pp4 (1F1B, ZeRO-0), pp2 x dp2 at ZeRO-1 (gradients reduced while the last backward
     runs), ZeRO-2 under GPipe's order, a clipping norm small enough to clip every step
-    (the true global norm across stages), an untied model split by 'type:Block': each step's
-    loss, the clipped norm and every weight each rank holds equal one process's (fp32)."""
+    (the true global norm across stages), an untied model split by 'type:Block', pp2 x tp2
+    (AutoTP in each stage): each step's loss, the clipped norm and every weight each rank
+    holds (tensor-parallel slices joined) equal one process's (fp32)."""
+    for rank in range(4):
+        _same_as_one_process(result(run, name, rank))
+
+
+@pytest.mark.parametrize("name", ["llama_pp2_dp2_tied_s1", "llama_pp4_s0"])
+def test_a_hugging_face_llama_split_by_its_layers_trains_as_one_process(run, name):
+    """split_causal_lm on transformers' Llama (tied embedding and head across pp2 x dp2 at
+    ZeRO-1; untied on pp4): the whole model's losses, norms and weights under its own names;
+    the pp2 checkpoint exports to the Hugging Face layout, which from_pretrained reads back
+    as the one-process weights."""
     for rank in range(4):
         got = result(run, name, rank)
-        assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
-        assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
-        assert got["names"] and not got["missing"], got["missing"]
-        assert got["weights"] < ATOL, got["weights"]
+        _same_as_one_process(got)
+        assert all(n.startswith(("model.", "lm_head.")) for n in got["names"])
+    if name == "llama_pp2_dp2_tied_s1":
+        assert result(run, name, 0)["exported"] == {"names": True,
+                                                    "diff": pytest.approx(0.0, abs=ATOL)}
+
+
+def test_3d_parallelism_trains_as_one_process(run8):
+    """pp2 x dp2 x tp2 on 8 ranks at ZeRO-1."""
+    for rank in range(8):
+        _same_as_one_process(result(run8, "pp2_dp2_tp2_s1", rank))
+
+
+def _same_as_one_process(got):
+    assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
+    assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
+    assert got["names"] and not got["missing"], got["missing"]
+    assert got["weights"] < ATOL, got["weights"]
 
 
 def test_stages_hold_their_layers_under_global_names_and_the_formulas_bytes(run):
@@ -77,19 +110,24 @@ def test_deepspeeds_pipeline_example_runs_through_the_alias(run):
         assert got["losses"] == pytest.approx(got["ref"], abs=ATOL)
 
 
-def test_checkpoints_move_between_pipeline_sizes(run):
-    """Saved on pp2 x dp2 (ZeRO-1) after two steps, loaded on pp2 x dp2, pp4 (ZeRO-0) and one
-    stage over 4 data-parallel ranks (ZeRO-2): each third step is one process's (loss and
-    every weight); consolidated in one process, the checkpoint is one process's weights."""
-    for rank in range(4):
-        got = result(run, "checkpoint", rank)
-        for label in ("pp2_dp2_s1", "pp2_dp2", "pp4_s0", "pp1_dp4_s2"):
-            assert got[label]["weights"] < ATOL, (label, rank)
-        assert got["pp2_dp2_s1"]["losses"] == pytest.approx(got["ref_losses"][:2], abs=ATOL)
-        for label in ("pp2_dp2", "pp4_s0", "pp1_dp4_s2"):
-            assert got[label]["losses"] == pytest.approx(got["ref_losses"][2:], abs=ATOL)
-    assert result(run, "checkpoint", 0)["consolidated"] == {"names": True, "diff": pytest.approx(
-        0.0, abs=ATOL)}
+@pytest.mark.parametrize("world", [4, 8])
+def test_checkpoints_move_between_pipeline_sizes_and_meshes(run, run8, world):
+    """4 ranks: saved on pp2 x dp2 (ZeRO-1) after two steps, loaded on pp2 x dp2, pp4 (ZeRO-0)
+    and one stage over 4 data-parallel ranks (ZeRO-2). 8 ranks: saved on pp2 x dp2 x tp2,
+    loaded on pp4 x dp2 and on pp2 x tp2 x dp2 at ZeRO-2. Each third step is one process's
+    (loss and every weight); consolidated in one process, the checkpoint is one process's
+    weights after two steps."""
+    ran = run if world == 4 else run8
+    for rank in range(world):
+        got = result(ran, "checkpoint", rank)
+        for label, moved in got.items():
+            if label in ("ref_losses", "consolidated"):
+                continue
+            assert moved["weights"] < ATOL, (label, rank)
+            expected = got["ref_losses"][2:] if moved["load"] else got["ref_losses"][:2]
+            assert moved["losses"] == pytest.approx(expected, abs=ATOL), (label, rank)
+    assert result(ran, "checkpoint", 0)["consolidated"] == {
+        "names": True, "diff": pytest.approx(0.0, abs=ATOL)}
 
 
 def test_mistakes_are_named(run):

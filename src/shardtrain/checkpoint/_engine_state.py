@@ -239,7 +239,9 @@ def model_config(parts: TrainingParts) -> Optional[Dict[str, Any]]:
     config = to_dict() if callable(to_dict) else None
     if not isinstance(config, dict):
         return None
-    config = dict(config, architectures=[type(parts.module).__name__])
+    # a pipeline stage of a Hugging Face model names the model's class
+    architecture = getattr(parts.module, "hf_architecture", None) or type(parts.module).__name__
+    config = dict(config, architectures=[architecture])
     try:
         return json.loads(json.dumps(config))
     except (TypeError, ValueError) as error:

@@ -7,6 +7,7 @@ schedule ([parallelism.md](../../docs/parallelism.md#pipeline-parallelism)).
 """
 from __future__ import annotations
 
+from .hf import causal_lm_loss, split_causal_lm
 from .module import LayerSpec, PipelineModule, TiedLayerSpec, TiedWeight
 from .partition import partition_balanced, partition_uniform
 from .schedule import SCHEDULES, bubble_fraction, eval_actions, train_actions
@@ -17,5 +18,5 @@ __all__ = [
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "TiedWeight", "ProcessTopology",
     "PipeDataParallelTopology", "PipeModelDataParallelTopology", "partition_uniform",
     "partition_balanced", "SCHEDULES", "train_actions", "eval_actions", "bubble_fraction",
-    "PipelineSettings", "read_settings",
+    "PipelineSettings", "read_settings", "split_causal_lm", "causal_lm_loss",
 ]
