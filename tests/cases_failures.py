@@ -167,3 +167,31 @@ def bounds(rank: int, world_size: int) -> Dict[str, Any]:
             comm.barrier()
     return _train(rank, {"diagnostics": {"collective_timeout": 1.5, "slow_collective_timeout": 30}},
                   _mlp(), fault, steps=5, between=between)
+
+
+def stuck_stage(rank: int, world_size: int) -> Dict[str, Any]:
+    """Pipeline stage 1 (rank 1) stops in the forward of step 2's second micro-batch (a long
+    sleep in its loss); stage 0 runs on to that micro-batch's backward and waits for the
+    gradient stage 1 does not send."""
+    from shardtrain.pipe import LayerSpec, PipelineModule
+    calls = []
+
+    def loss_fn(out, labels):
+        calls.append(1)
+        if len(calls) == 4:  # step 2, micro-batch 2
+            time.sleep(STUCK_SECONDS)
+        return torch.nn.functional.mse_loss(out, labels)
+
+    module = PipelineModule([LayerSpec(torch.nn.Linear, 8, 8), torch.nn.Tanh(),
+                             LayerSpec(torch.nn.Linear, 8, 1)], num_stages=2, loss_fn=loss_fn,
+                            partition_method="uniform")
+    engine, *_ = shardtrain.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            engine.train_batch(iter([(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(2)]))
+    except comm.CollectiveError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None}

@@ -53,6 +53,21 @@ def test_the_stuck_rank_learns_its_peer_is_gone(stuck):
     assert "step 2, micro-step" in message, message
 
 
+def test_a_pipeline_stage_that_stops_sending_is_named_with_the_micro_batch():
+    """Stage 1 stops in a forward; stage 0 waits for that micro-batch's gradient and ends
+    within the bound, naming the receive, the rank it waited for, the stage, the micro-batch
+    and the direction."""
+    got = _run("stuck_stage", need=[0])[0]
+    message = got["error"]
+    assert message is not None and message.startswith("rank 0: recv of "), got
+    assert ("from rank 1 failed at step 2, pipeline stage 0 of 2, micro-batch 2 of 2, "
+            "backward: receiving its output's gradient from stage 1 (rank 1): ") in message
+    assert message.endswith("Rank(s) 1 did not answer within 5 s: ended, or stuck before "
+                            "this collective (in a different branch, a data loader, I/O); "
+                            "their output says where."), message
+    assert got["seconds"] < BOUND_S, got
+
+
 def test_a_killed_rank_is_named_as_ended_with_its_last_collective(tmp_path, capsys):
     """Rank 1's process ends mid-step: the survivor reads the trail its file left and says
     which collective rank 1 never issued, without waiting out the roll call. Both trails

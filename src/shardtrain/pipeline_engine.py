@@ -68,6 +68,7 @@ class PipelineEngine(Engine):
         self.next_stage = self.mesh.rank_at(pp=self.stage_id + 1) \
             if self.stage_id < stages - 1 else None
         self._ties = self._wire_ties(model)
+        self._action: Optional[str] = None  # what the stage is doing, for a failure's report
         self.data_iterator: Optional[Iterator] = None
         self.batch_fn = None
         self.agg_train_loss: Optional[torch.Tensor] = None
@@ -272,6 +273,14 @@ class PipelineEngine(Engine):
                 comm.all_reduce(grad_sum, group=tie["group"])
                 grad_sum.zero_()
 
+    def _position(self) -> str:
+        """Where training is, for the report of a failed send, receive or collective: the
+        stage, the micro-batch, forward or backward, and whom it waits for."""
+        if not hasattr(self, "stage_id"):  # while the engine is being built
+            return super()._position()
+        where = f"step {self.global_steps + 1}, pipeline stage {self.stage_id} of {self.num_stages}"
+        return f"{where}, {self._action}" if self._action else f"{where}, {self._phase.value}"
+
     # -- across stages ----------------------------------------------------------------------
 
     def _global_norm(self, reduced: ReducedGrads) -> torch.Tensor:
@@ -356,6 +365,8 @@ class _Run:
             batch = self._read()
             inputs, labels = batch[0], batch[1]
         else:
+            engine._action = (f"micro-batch {index + 1} of {self.micro}, forward: receiving its "
+                              f"input from stage {engine.stage_id - 1} (rank {engine.prev_stage})")
             received = recv_tensors(engine.prev_stage, engine.device, _ACTIVATIONS)
             if grad:
                 for t in received:
@@ -365,6 +376,7 @@ class _Run:
             if engine.is_last_stage():
                 labels = self._read()[1]
             self.inputs[index] = received
+        engine._action = f"micro-batch {index + 1} of {self.micro}, forward"
         outputs = Engine.forward(engine, inputs)
         if engine.is_last_stage():
             if self.keep_outputs:
@@ -387,13 +399,20 @@ class _Run:
     def backward(self, index: int, last: bool) -> None:
         engine = self.engine
         produced = self.outputs_alive.pop(index)
+        engine._action = (f"micro-batch {index + 1} of {self.micro}, backward: the tied "
+                          "weights' gradients from the stages holding copies")
         tied = engine._owned_tied_grads() if last else []
         extra = [(p * g.to(p.dtype)).sum() for p, g in tied]
+        engine._action = f"micro-batch {index + 1} of {self.micro}, backward"
         if engine.is_last_stage():
             loss = produced + sum(extra) if extra else produced
             Engine.backward(engine, loss)
         else:
+            engine._action = (f"micro-batch {index + 1} of {self.micro}, backward: receiving its "
+                              f"output's gradient from stage {engine.stage_id + 1} "
+                              f"(rank {engine.next_stage})")
             grads = recv_tensors(engine.next_stage, engine.device, _ACTIVATIONS)
+            engine._action = f"micro-batch {index + 1} of {self.micro}, backward"
             floats = [t for t in produced if t.is_floating_point()]
             if len(grads) != len(floats) or any(g.shape != t.shape for g, t in zip(grads, floats)):
                 raise PipelineError(
@@ -410,12 +429,16 @@ class _Run:
                     for t in received if t.is_floating_point()]
             self.sends += send_tensors(back, engine.prev_stage, engine.device, _ACTIVATIONS)
         if last:
+            engine._action = (f"micro-batch {index + 1} of {self.micro}, backward: the tied "
+                              "weights' gradients to the stage that owns them")
             engine._give_tied_grads()
 
     def finish(self) -> None:
+        self.engine._action = "the last sends of the step"
         for work in self.sends:
             work.wait()
         self.sends.clear()
+        self.engine._action = None
 
 
 def _loss(module: PipelineModule, outputs: Any, labels: Any) -> torch.Tensor:

@@ -27,14 +27,15 @@ class Work:
 
     def __init__(self, handle=None, then: Optional[Callable[[], None]] = None,
                  op: str = "collective", group: Optional["Group"] = None,
-                 tensor: Optional[torch.Tensor] = None):
+                 tensor: Optional[torch.Tensor] = None, peer: Optional[int] = None):
         self._handle, self._then = handle, then
-        self._op, self._group, self._tensor = op, group, tensor
+        self._op, self._group, self._tensor, self._peer = op, group, tensor, peer
 
     def wait(self) -> None:
         if self._handle is not None:
             handle, self._handle = self._handle, None
-            _guarded(self._op, self._group, self._tensor, handle.wait, timed=False)
+            _guarded(self._op, self._group, self._tensor, handle.wait, timed=False,
+                     peer=self._peer)
             _timing.completed(handle)
         if self._then is not None:
             then, self._then = self._then, None
@@ -178,15 +179,15 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
     takes part, with a matching :func:`recv`); ``wait()`` before changing the tensor. Sends
     to one rank with one tag arrive in the order they were issued."""
     _notify("send", tensor, None)
-    return Work(_guarded("send", None, tensor, lambda: dist.isend(tensor, dst, tag=tag)),
-                op="send", tensor=tensor)
+    return Work(_guarded("send", None, tensor, lambda: dist.isend(tensor, dst, tag=tag),
+                         peer=dst), op="send", tensor=tensor, peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
     """Receives into ``tensor`` what global rank ``src`` sends with :func:`send` (waits, within
     the collective timeout)."""
     _notify("recv", tensor, None)
-    _guarded("recv", None, tensor, lambda: dist.recv(tensor, src, tag=tag))
+    _guarded("recv", None, tensor, lambda: dist.recv(tensor, src, tag=tag), peer=src)
 
 
 def all_gather_object(obj, group: Optional["Group"] = None) -> list:

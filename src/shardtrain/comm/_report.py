@@ -44,10 +44,11 @@ FAILURES = _Failures()
 
 
 def guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
-            call: Callable[[], object], timed: bool = True):
+            call: Callable[[], object], timed: bool = True, peer: Optional[int] = None):
     """``call()``; a failure of torch's collective becomes a :class:`CollectiveError` that
     says who and where. With :func:`time_collectives` on, a collective with a tensor is timed
-    (``timed=False``: ``call`` waits for one already issued)."""
+    (``timed=False``: ``call`` waits for one already issued). ``peer``: the other rank of a
+    point-to-point send or receive (the roll call asks it alone)."""
     _sigterm.enter()
     timing = _TIMED.timing if timed and tensor is not None else None
     mark = timing.start(op) if timing is not None else None
@@ -62,7 +63,7 @@ def guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
     except RuntimeError as err:  # torch's DistBackendError and gloo's timeouts included
         if isinstance(err, CollectiveError):
             raise
-        error = CollectiveError(_explain(op, group, tensor, err))
+        error = CollectiveError(_explain(op, group, tensor, err, peer))
         _sigterm.end_if_stopped(str(error))
         raise error from err
     finally:
@@ -70,7 +71,7 @@ def guarded(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
 
 
 def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
-             err: BaseException) -> str:
+             err: BaseException, peer: Optional[int] = None) -> str:
     FAILURES.count += 1
     _process.broken = True
     me = get_rank()
@@ -81,8 +82,13 @@ def _explain(op: str, group: Optional["Group"], tensor: Optional[torch.Tensor],
     where = position() if position is not None else "outside a training step"
     name = group.name if group is not None else "world"
     cause = " ".join(str(err).split())[:300]
-    head = (f"rank {me}: {what} over the {name} group (ranks {_trail.spans(ranks)}) failed at "
-            f"{where}: {cause}")
+    if peer is not None:  # point to point: the other rank is the one to ask about
+        ranks = sorted({me, peer})
+        way = "from" if op == "recv" else "to"
+        head = f"rank {me}: {what} {way} rank {peer} failed at {where}: {cause}"
+    else:
+        head = (f"rank {me}: {what} over the {name} group (ranks {_trail.spans(ranks)}) failed "
+                f"at {where}: {cause}")
     found = inquire(_short_store(), FAILURES.count, ranks, me, _tracing.own_entries(),
                     _ROLL_CALL_SECONDS)
     lines = [head]
