@@ -408,7 +408,8 @@ def test_estimate_on_a_mesh_counts_one_tensor_parallel_slice(capsys, tp, sp):
                       str(sp), "--dtype", "fp32", "--persistence-threshold", "0")
     local = total - split + split // tp
     assert report["parameters"] == report["trainable_parameters"] == total
-    assert report["mesh"] == {"data_parallel": 8 // (tp * sp), "tensor_parallel": tp,
+    assert report["mesh"] == {"pipeline_parallel": 1, "data_parallel": 8 // (tp * sp),
+                              "tensor_parallel": tp,
                               "sequence_parallel": sp, "zero_shards": 8 // tp,
                               "expert_parallel": 1, "expert_shards": 8 // tp,
                               "parameters_per_rank": local}
@@ -474,6 +475,36 @@ def test_estimate_counts_bf16_masters_from_the_config(capsys, tmp_path):
     for row in report["stages"]:
         want = zero_formula_bytes(TINY_PARAMS, 4, row["stage"], 2, 2, 4)
         assert row["total"] == pytest.approx(want, abs=1)
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (4, 1), (2, 2)])
+def test_estimate_with_pipeline_stages_sizes_one_rank_of_the_largest_stage(capsys, pp, tp):
+    """The Llama's layers (embedding, each decoder layer, norm, head) cut into P stages as
+    the PipelineModule's 'parameters' method cuts them; one rank of the largest stage holds
+    its layers (1/T of the split weights), ZeRO over the N / (P x T) ranks of the stage."""
+    from shardtrain.pipe import partition_balanced
+    total, split = _llama_counts()
+    report = estimate(capsys, "--model", f"{MODELS}:llama", "--model-kwargs", LLAMA_KW,
+                      "--nproc", "8", "--pipeline-parallel", str(pp), "--tensor-parallel",
+                      str(tp), "--dtype", "fp32", "--persistence-threshold", "0")
+    layer = split // 2 + 2 * 64  # a decoder layer: its projections and two norms
+    weights = [256 * 64] + [layer] * 2 + [64, 256 * 64]  # embed, layers, norm, head
+    parts = partition_balanced(weights, pp)
+    sizes = [sum(weights[parts[s]:parts[s + 1]]) for s in range(pp)]
+    big = max(range(pp), key=lambda s: sizes[s])
+    pipe = report["mesh"]["pipeline"]
+    assert (pipe["stages"], pipe["parameters"], pipe["largest"]) == (pp, sizes, big)
+    assert sum(sizes) == total == report["parameters"] == report["trainable_parameters"]
+    layers = range(parts[big], parts[big + 1])
+    local = sum(weights[i] if i in (0, 3, 4) else weights[i] - split // 2 + split // 2 // tp
+                for i in layers)
+    dp = 8 // (pp * tp)
+    assert report["mesh"]["zero_shards"] == dp
+    assert report["mesh"]["parameters_per_rank"] == local
+    for row in report["stages"][:3]:
+        want = zero_formula_bytes(local, dp, row["stage"], 4, 4, 8)
+        assert row["total"] == pytest.approx(want, abs=1)
+    assert not report["stages"][3]["implemented"]
 
 
 def test_estimate_table_names_the_mesh(capsys):

@@ -42,6 +42,14 @@ and sequence_parallel_size) each rank holds 1/T of every weight AutoTP splits (t
 run would apply: the preset of the model's model_type, or the config's layer_specs), and
 ZeRO shards over the N / T data- x sequence-parallel ranks of its tensor-parallel slice.
 
+Pipeline stages (--pipeline-parallel P, or a config's pipeline.stages): the model's layers
+are cut into P stages as a PipelineModule with partition_method "parameters" cuts them (a
+Hugging Face causal LM by its pipeline plan: the embedding, each decoder layer, the norm and
+head; another model by its children, a ModuleList's items one by one); the figures are one
+rank of the stage with the most parameters, ZeRO sharding over the N / (P x T) data-parallel
+ranks of a stage. A weight tied across stages counts on its first stage; a later stage's copy
+is a weight alone (p bytes). ZeRO stage 3 is refused with pipeline stages.
+
 Mixtures of experts (shardtrain.moe.MoE layers): a layer built with ep_size E holds 1/E of
 its experts, as on each rank of a run; --expert-parallel E splits the experts of layers built
 whole. ZeRO shards the experts' gradients and optimizer states over the N / E ranks that hold
@@ -83,6 +91,9 @@ def add_parser(commands) -> None:
     est.add_argument("--sequence-parallel", type=_positive_int, metavar="S",
                      help="sequence-parallel ranks (sequence_parallel_size; default: the "
                           "config's, or 1)")
+    est.add_argument("--pipeline-parallel", type=_positive_int, metavar="P",
+                     help="pipeline stages the layers are cut into; the figures are one rank "
+                          "of the largest stage (default: the config's pipeline.stages, or 1)")
     est.add_argument("--expert-parallel", type=_positive_int, metavar="E",
                      help="ranks the experts of MoE layers built whole are split over "
                           "(default: the ep_size the layers were built with), or of a Hugging "
@@ -116,20 +127,32 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     params = [p for _, p in model.named_parameters()]  # a shared (tied) parameter once
     experts = _Experts.of(model, args.expert_parallel, mesh.zero, config.get("expert_parallel"))
     dense = [p for p in params if id(p) not in experts.ids]
+    total = sum(p.numel() for p in dense) + experts.total
+    trainable = sum(p.numel() for p in dense if p.requires_grad) + experts.total_trainable
+    stage = _Stage.of(model, mesh.pp) if mesh.pp > 1 else None
+    if stage is not None:
+        if experts.ep > 1:
+            raise _UsageError("--pipeline-parallel with split experts is not estimated: "
+                              "pipeline stages and expert parallelism do not compose yet.")
+        dense = stage.params
+    copies = sum(local[id(p)] for p in stage.copies) if stage is not None else 0
     counts = _ParamCounts(
-        total=sum(p.numel() for p in dense) + experts.total,
+        total=total,
         trainable=sum(local[id(p)] for p in dense if p.requires_grad),
         persistent=sum(local[id(p)] for p in dense if local[id(p)] <= args.persistence_threshold),
-        frozen=sum(local[id(p)] for p in dense if not p.requires_grad))
+        frozen=sum(local[id(p)] for p in dense if not p.requires_grad) + copies)
     accum = args.grad_accum_dtype or _grad_accum_of(config, args.config)
     masters = args.dtype == "bf16" and _bf16_masters_of(config)
     report = _estimate(counts, nproc, args.nnodes,
                        bytes_per_param(args.dtype, args.optimizer, accum, masters), mesh, experts)
+    if stage is not None:
+        report["mesh"]["pipeline"] = {"stages": mesh.pp, "largest": stage.index,
+                                      "layers": stage.layers, "parameters": stage.sizes}
+        report["stages"][3]["implemented"] = False  # ZeRO-3 is refused with pipeline stages
     report.update(model=args.model, model_class=type(model).__name__, dtype=args.dtype, optimizer=args.optimizer,
                   grad_accum_dtype=accum or args.dtype,
                   persistence_threshold=args.persistence_threshold,
-                  trainable_parameters=sum(p.numel() for p in dense if p.requires_grad)
-                  + experts.total_trainable)
+                  trainable_parameters=trainable)
     print(json.dumps(report, indent=2) if args.json else _estimate_table(report))
     return 0
 
@@ -223,13 +246,72 @@ class _Experts:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Stage:
+    """The pipeline stage with the most parameters: its index, its layers' range (of the
+    model's layer list), the parameters it trains and the tied weights it holds as copies;
+    and every stage's parameter count."""
+
+    index: int
+    layers: List[int]
+    params: List[torch.nn.Parameter]
+    copies: List[torch.nn.Parameter]
+    sizes: List[int]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, stages: int) -> "_Stage":
+        from ..pipe import partition_balanced
+        layers = _layers_of(model)
+        if len(layers) < stages:
+            raise _UsageError(f"--pipeline-parallel {stages}: the model has {len(layers)} "
+                              "layers to cut into stages; choose at most that many stages.")
+        weights = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in layers]
+        parts = partition_balanced(weights, stages)
+        seen: Dict[int, int] = {}  # a shared parameter belongs to the first stage using it
+        held = []
+        for s in range(stages):
+            mine = [p for m in layers[parts[s]:parts[s + 1]] for p in m.parameters()]
+            held.append(list({id(p): p for p in mine}.values()))
+            for p in held[-1]:
+                seen.setdefault(id(p), s)
+        sizes = [sum(p.numel() for p in ps if seen[id(p)] == s) for s, ps in enumerate(held)]
+        big = max(range(stages), key=lambda s: sizes[s])
+        own = [p for p in held[big] if seen[id(p)] == big]
+        copies = [p for p in held[big] if seen[id(p)] != big]
+        return cls(big, [parts[big], parts[big + 1] - 1], own, copies, sizes)
+
+
+def _layers_of(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The model as a list of layers: a Hugging Face causal LM's pipeline plan (embedding,
+    each decoder layer, norm, head), else its children with a ModuleList's items one by one
+    (a child holding a single child is opened)."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if plan and base is not None and all(getattr(base, k, None) is not None for k in plan):
+        out: List[torch.nn.Module] = []
+        for name in plan:
+            part = getattr(base, name)
+            out += list(part) if isinstance(part, torch.nn.ModuleList) else [part]
+        head = getattr(model, "lm_head", None)
+        return out + ([head] if head is not None else [])
+    out = []
+    for child in model.children():
+        while not isinstance(child, torch.nn.ModuleList) and len(list(child.children())) == 1 \
+                and not any(True for _ in child.parameters(recurse=False)):
+            child = next(child.children())
+        out += list(child) if isinstance(child, torch.nn.ModuleList) else [child]
+    return [m for m in out if any(True for _ in m.parameters())] or [model]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Mesh:
-    """The ranks: ``tp`` x ``sp`` x ``dp`` of them; the tensor-parallel block AutoTP reads."""
+    """The ranks: ``pp`` x ``dp`` x ``sp`` x ``tp`` of them; the tensor-parallel block AutoTP
+    reads."""
 
     tp: int
     sp: int
     dp: int
     block: Dict[str, Any]
+    pp: int = 1
 
     @property
     def zero(self) -> int:
@@ -240,15 +322,22 @@ class _Mesh:
 def _mesh(args: argparse.Namespace, world: int, config: Dict[str, Any]) -> _Mesh:
     from ..config import ConfigError, data_parallel_world, tensor_parallel_size
     block = dict(config.get("tensor_parallel") or {})
+    stages = (config.get("pipeline") or {}).get("stages", 1)
+    pp = args.pipeline_parallel or (stages if isinstance(stages, int) else 1)
+    if world % pp:
+        raise _UsageError(f"--pipeline-parallel {pp} does not divide the {world} ranks.")
     try:
         tp = args.tensor_parallel or tensor_parallel_size(block)
         sp = args.sequence_parallel or int(config.get("sequence_parallel_size") or 1)
-        dp = data_parallel_world(world, tp, sp, None)
+        dp = data_parallel_world(world // pp, tp, sp, None)
     except ConfigError as err:
         raise _UsageError(str(err)) from None
+    if pp > 1 and sp > 1:
+        raise _UsageError("--pipeline-parallel with sequence parallelism is not estimated: "
+                          "they do not compose yet.")
     block["autotp_size"] = tp
     block.pop("tp", None)
-    return _Mesh(tp, sp, dp, block)
+    return _Mesh(tp, sp, dp, block, pp)
 
 
 def _grad_accum_of(config: Dict[str, Any], path: Optional[str]) -> Optional[str]:
@@ -314,7 +403,8 @@ def _estimate(n: _ParamCounts, nproc: int, nnodes: int, b: BytesPerParam,
     return {"parameters": n.total, "trainable_parameters": n.trainable,
             "persistent_parameters": n.persistent, "nproc": nproc, "nnodes": nnodes,
             "world_size": nproc * nnodes,
-            "mesh": {"data_parallel": mesh.dp, "tensor_parallel": mesh.tp,
+            "mesh": {"pipeline_parallel": mesh.pp, "data_parallel": mesh.dp,
+                     "tensor_parallel": mesh.tp,
                      "sequence_parallel": mesh.sp, "zero_shards": mesh.zero,
                      "expert_parallel": experts.ep, "expert_shards": experts.shards,
                      "parameters_per_rank": n.trainable + n.frozen + experts.local_trainable
@@ -373,7 +463,14 @@ def _estimate_table(r: Dict[str, Any]) -> str:
 def _mesh_lines(r: Dict[str, Any]) -> list:
     m = r["mesh"]
     lines = []
-    if m["tensor_parallel"] > 1 or m["sequence_parallel"] > 1:
+    pipe = m.get("pipeline")
+    if pipe is not None:
+        a, b = pipe["layers"]
+        lines.append(
+            f"  pipeline: {pipe['stages']} stages of {', '.join(f'{n:,}' for n in pipe['parameters'])} "
+            f"parameters; the figures are one rank of stage {pipe['largest']} (layers {a}-{b}), "
+            f"ZeRO over its {m["zero_shards"]} data-parallel ranks; ZeRO stage 3 is not available")
+    if m["tensor_parallel"] > 1 or m["sequence_parallel"] > 1 or pipe is not None:
         lines.append(
             f"  mesh: {m['data_parallel']} data- x {m['tensor_parallel']} tensor- x "
             f"{m['sequence_parallel']} sequence-parallel ranks; P = {m['parameters_per_rank']:,} "
