@@ -469,7 +469,7 @@ def _mesh_lines(r: Dict[str, Any]) -> list:
         lines.append(
             f"  pipeline: {pipe['stages']} stages of {', '.join(f'{n:,}' for n in pipe['parameters'])} "
             f"parameters; the figures are one rank of stage {pipe['largest']} (layers {a}-{b}), "
-            f"ZeRO over its {m["zero_shards"]} data-parallel ranks; ZeRO stage 3 is not available")
+            f"ZeRO over its {m['zero_shards']} data-parallel ranks; ZeRO stage 3 is not available")
     if m["tensor_parallel"] > 1 or m["sequence_parallel"] > 1 or pipe is not None:
         lines.append(
             f"  mesh: {m['data_parallel']} data- x {m['tensor_parallel']} tensor- x "
