@@ -115,15 +115,16 @@ TP_BLOCKS = {"autotp_size": 2, "partition_config": {"layer_specs": [
 
 def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b",
                clip: float = 1.0, tied: bool = True, topology: Optional[Callable] = None,
-               extra: Optional[Dict[str, Any]] = None, partition: str = "parameters"
-               ) -> Callable[[int, int], Dict[str, Any]]:
+               extra: Optional[Dict[str, Any]] = None, partition: str = "parameters",
+               chunks: int = 1) -> Callable[[int, int], Dict[str, Any]]:
     """``train_batch`` on a split of ``stages`` against one process: each step's loss, the
     clipped global norm, and every weight this rank holds."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         layers = specs(tied)
         module = PipelineModule(layers, num_stages=None if topology else stages,
                                 topology=topology(world) if topology else None,
-                                loss_fn=lm_loss, seed_layers=True, partition_method=partition)
+                                loss_fn=lm_loss, seed_layers=True, partition_method=partition,
+                                virtual_stages=chunks)
         cfg = config(gas, stage, clip, pipeline={"schedule": schedule}, **(extra or {}))
         engine, *_ = shardtrain.initialize(model=module, config=cfg)
         dp = engine.mesh.sizes["dp"]
@@ -428,6 +429,9 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         "pp2_dp2_s2_gpipe": case_train(2, 2, schedule="gpipe"),
         "pp2_dp2_s0_clip": case_train(2, 0, clip=0.05, partition="uniform"),
         "pp2_dp2_untied_s2": case_train(2, 2, tied=False, partition="type:Block"),
+        # two chunks of layers per rank: stage 0 holds parts 0 and 2, stage 1 parts 1 and 3
+        "pp2_dp2_interleaved_s1": case_train(2, 1, schedule="interleaved", chunks=2),
+        "pp4_interleaved_s2": case_train(4, 2, schedule="interleaved", chunks=2),
         # AutoTP splits each Block's fc (column) and out (row) over a stage's two ranks
         "pp2_tp2_s1": case_train(2, 1, topology=_tp2, extra={"tensor_parallel": TP_BLOCKS}),
         "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval,

@@ -11,7 +11,7 @@ from _dist import result, run_ranks
 
 ATOL = 1e-5
 TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_dp2_untied_s2",
-           "pp2_tp2_s1"]
+           "pp2_tp2_s1", "pp2_dp2_interleaved_s1", "pp4_interleaved_s2"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
     """pp4 (1F1B, ZeRO-0), pp2 x dp2 at ZeRO-1 (gradients reduced while the last backward
     runs), ZeRO-2 under GPipe's order, a clipping norm small enough to clip every step
     (the true global norm across stages), an untied model split by 'type:Block', pp2 x tp2
-    (AutoTP in each stage): each step's loss, the clipped norm and every weight each rank
+    (AutoTP in each stage), the interleaved schedule with two chunks per rank on pp2 x dp2
+    (ZeRO-1) and pp4 (ZeRO-2): each step's loss, the clipped norm and every weight each rank
     holds (tensor-parallel slices joined) equal one process's (fp32)."""
     for rank in range(4):
         _same_as_one_process(result(run, name, rank))

@@ -36,7 +36,12 @@ from .zero.strategy import ReducedGrads
 
 __all__ = ["PipelineEngine"]
 
-_ACTIVATIONS, _TIED = 0, 1  # point-to-point tags
+
+
+def _tag(chunk: int, forward: bool) -> int:
+    """The point-to-point tag of what a rank's ``chunk`` receives: its input (forward) or its
+    output's gradient; one order of messages per tag between two ranks."""
+    return 2 + 2 * chunk + (0 if forward else 1)
 
 
 class PipelineEngine(Engine):
@@ -61,6 +66,7 @@ class PipelineEngine(Engine):
         stages = self.mesh.sizes["pp"]
         self.num_stages, self.stage_id = stages, self.mesh.coordinate()["pp"]
         self.micro_batches = self.gradient_accumulation_steps()
+        self._train_actions()  # the schedule's conditions, refused now rather than at a step
         if self._settings.activation_checkpoint_interval > 0:
             model.set_checkpoint_interval(self._settings.activation_checkpoint_interval)
         model._mpu = self.mpu
@@ -186,15 +192,18 @@ class PipelineEngine(Engine):
         self.module.train()
         run = _Run(self, self.micro_batches)
         base = self.train_state.micro_steps
-        backwards = 0
-        for kind, index in train_actions(self.stage_id, self.num_stages, self.micro_batches,
-                                         self._settings.schedule):
+        backwards, total = 0, self.micro_batches * run.chunks
+        for kind, index, *chunk in self._train_actions():
             if kind == "F":
-                run.forward(index, grad=True)
+                run.forward(index, True, *chunk)
             else:
-                self.train_state.micro_steps = base + backwards  # the boundary is the last one
+                last = backwards == total - 1
+                # the accumulation boundary is this rank's last backward, and only that one
+                # (with virtual stages a rank runs micro-batches x chunks backwards)
+                self.train_state.micro_steps = base + (self.micro_batches - 1 if last else
+                                                       min(backwards, self.micro_batches - 2))
                 backwards += 1
-                run.backward(index, last=backwards == self.micro_batches)
+                run.backward(index, last, *chunk)
         run.finish()
         self.train_state.micro_steps = base + self.micro_batches - 1
         Engine.step(self)
@@ -219,8 +228,8 @@ class PipelineEngine(Engine):
         run = _Run(self, micro, compute_loss=compute_loss, keep_outputs=return_logits)
         try:
             with torch.no_grad():
-                for _, index in eval_actions(micro):
-                    run.forward(index, grad=False)
+                for _, index, *chunk in eval_actions(micro, run.chunks):
+                    run.forward(index, False, *chunk)
                 run.finish()
         finally:
             self.module.train(was_training)
@@ -234,6 +243,10 @@ class PipelineEngine(Engine):
         if return_logits:
             return loss, run.outputs if self.is_last_stage() else None
         return loss
+
+    def _train_actions(self) -> list:
+        return train_actions(self.stage_id, self.num_stages, self.micro_batches,
+                             self._settings.schedule, self.module.virtual_stages)
 
     def _aggregate(self, losses: List[torch.Tensor], broadcast: bool = True) -> torch.Tensor:
         """The last stage's mean loss, averaged over its data-parallel ranks, sent to every
@@ -276,7 +289,7 @@ class PipelineEngine(Engine):
     def _position(self) -> str:
         """Where training is, for the report of a failed send, receive or collective: the
         stage, the micro-batch, forward or backward, and whom it waits for."""
-        if not hasattr(self, "stage_id"):  # while the engine is being built
+        if "_action" not in self.__dict__:  # while the engine is being built
             return super()._position()
         where = f"step {self.global_steps + 1}, pipeline stage {self.stage_id} of {self.num_stages}"
         return f"{where}, {self._action}" if self._action else f"{where}, {self._phase.value}"
@@ -336,8 +349,9 @@ class _Run:
                  keep_outputs: bool = False):
         self.engine, self.micro = engine, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.inputs: Dict[int, List[torch.Tensor]] = {}
-        self.outputs_alive: Dict[int, Any] = {}
+        self.chunks = engine.module.virtual_stages
+        self.inputs: Dict[tuple, List[torch.Tensor]] = {}   # (micro-batch, chunk) ->
+        self.outputs_alive: Dict[tuple, Any] = {}
         self.losses: List[torch.Tensor] = []
         self.outputs: List[Any] = []
         self.sends: List[comm.Work] = []
@@ -358,61 +372,92 @@ class _Run:
                                 "items.")
         return batch
 
-    def forward(self, index: int, grad: bool) -> None:
+    # where a chunk's input comes from and its output goes (one chunk: the stages before
+    # and after; interleaved, the last stage's chunk c feeds the first stage's chunk c + 1)
+
+    def _first(self, chunk: int) -> bool:
+        return self.engine.is_first_stage() and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        return self.engine.is_last_stage() and chunk == self.chunks - 1
+
+    def _before(self, chunk: int) -> tuple:
+        """(global rank, stage, chunk) that feeds this rank's ``chunk``."""
+        engine = self.engine
+        if engine.stage_id > 0:
+            return engine.prev_stage, engine.stage_id - 1, chunk
+        return engine.mesh.rank_at(pp=engine.num_stages - 1), engine.num_stages - 1, chunk - 1
+
+    def _after(self, chunk: int) -> tuple:
+        """(global rank, stage, chunk) that this rank's ``chunk`` feeds."""
+        engine = self.engine
+        if engine.stage_id < engine.num_stages - 1:
+            return engine.next_stage, engine.stage_id + 1, chunk
+        return engine.mesh.rank_at(pp=0), 0, chunk + 1
+
+    def _label(self, index: int, chunk: int, what: str) -> str:
+        mb = f"micro-batch {index + 1} of {self.micro}"
+        return (f"{mb}, chunk {chunk + 1} of {self.chunks}, {what}" if self.chunks > 1
+                else f"{mb}, {what}")
+
+    def forward(self, index: int, grad: bool, chunk: int = 0) -> None:
         engine = self.engine
         labels = None
-        if engine.is_first_stage():
+        if self._first(chunk):
             batch = self._read()
             inputs, labels = batch[0], batch[1]
         else:
-            engine._action = (f"micro-batch {index + 1} of {self.micro}, forward: receiving its "
-                              f"input from stage {engine.stage_id - 1} (rank {engine.prev_stage})")
-            received = recv_tensors(engine.prev_stage, engine.device, _ACTIVATIONS)
+            rank, stage, _ = self._before(chunk)
+            engine._action = self._label(index, chunk, f"forward: receiving its input from stage "
+                                                        f"{stage} (rank {rank})")
+            received = recv_tensors(rank, engine.device, _tag(chunk, forward=True))
             if grad:
                 for t in received:
                     if t.is_floating_point():
                         t.requires_grad_(True)
             inputs = received[0] if len(received) == 1 else tuple(received)
-            if engine.is_last_stage():
+            if self._last(chunk):
                 labels = self._read()[1]
-            self.inputs[index] = received
-        engine._action = f"micro-batch {index + 1} of {self.micro}, forward"
-        outputs = Engine.forward(engine, inputs)
-        if engine.is_last_stage():
+            self.inputs[index, chunk] = received
+        engine._action = self._label(index, chunk, "forward")
+        outputs = Engine.forward(engine, inputs, chunk=chunk) if self.chunks > 1 \
+            else Engine.forward(engine, inputs)
+        if self._last(chunk):
             if self.keep_outputs:
                 self.outputs.append(outputs)
             if self.compute_loss:
                 loss = _loss(engine.module, outputs, labels)
                 self.losses.append(loss.detach())
                 if grad:
-                    self.outputs_alive[index] = loss
+                    self.outputs_alive[index, chunk] = loss
             return
         sent = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         if not all(isinstance(t, torch.Tensor) for t in sent):
             raise PipelineError(f"stage {engine.stage_id} returned "
                                 f"{[type(t).__name__ for t in sent]}: a stage passes a tensor or "
                                 "a tuple of tensors to the next.")
-        self.sends += send_tensors(sent, engine.next_stage, engine.device, _ACTIVATIONS)
+        rank, _, to_chunk = self._after(chunk)
+        self.sends += send_tensors(sent, rank, engine.device, _tag(to_chunk, forward=True))
         if grad:
-            self.outputs_alive[index] = sent
+            self.outputs_alive[index, chunk] = sent
 
-    def backward(self, index: int, last: bool) -> None:
+    def backward(self, index: int, last: bool, chunk: int = 0) -> None:
         engine = self.engine
-        produced = self.outputs_alive.pop(index)
-        engine._action = (f"micro-batch {index + 1} of {self.micro}, backward: the tied "
-                          "weights' gradients from the stages holding copies")
+        produced = self.outputs_alive.pop((index, chunk))
+        engine._action = self._label(index, chunk, "backward: the tied weights' gradients from "
+                                                   "the stages holding copies")
         tied = engine._owned_tied_grads() if last else []
         extra = [(p * g.to(p.dtype)).sum() for p, g in tied]
-        engine._action = f"micro-batch {index + 1} of {self.micro}, backward"
-        if engine.is_last_stage():
+        engine._action = self._label(index, chunk, "backward")
+        if self._last(chunk):
             loss = produced + sum(extra) if extra else produced
             Engine.backward(engine, loss)
         else:
-            engine._action = (f"micro-batch {index + 1} of {self.micro}, backward: receiving its "
-                              f"output's gradient from stage {engine.stage_id + 1} "
-                              f"(rank {engine.next_stage})")
-            grads = recv_tensors(engine.next_stage, engine.device, _ACTIVATIONS)
-            engine._action = f"micro-batch {index + 1} of {self.micro}, backward"
+            rank, stage, _ = self._after(chunk)
+            engine._action = self._label(index, chunk, f"backward: receiving its output's "
+                                                       f"gradient from stage {stage} (rank {rank})")
+            grads = recv_tensors(rank, engine.device, _tag(chunk, forward=False))
+            engine._action = self._label(index, chunk, "backward")
             floats = [t for t in produced if t.is_floating_point()]
             if len(grads) != len(floats) or any(g.shape != t.shape for g, t in zip(grads, floats)):
                 raise PipelineError(
@@ -423,14 +468,15 @@ class _Run:
             pairs = [(t, g.to(t.dtype)) for t, g in zip(floats, grads) if t.requires_grad]
             pairs += [(x, torch.ones_like(x)) for x in extra]
             _stage_backward(engine, [t for t, _ in pairs], [g for _, g in pairs])
-        if not engine.is_first_stage():
-            received = self.inputs.pop(index)
+        if not self._first(chunk):
+            received = self.inputs.pop((index, chunk))
             back = [t.grad if t.grad is not None else torch.zeros_like(t)
                     for t in received if t.is_floating_point()]
-            self.sends += send_tensors(back, engine.prev_stage, engine.device, _ACTIVATIONS)
+            rank, _, from_chunk = self._before(chunk)
+            self.sends += send_tensors(back, rank, engine.device, _tag(from_chunk, forward=False))
         if last:
-            engine._action = (f"micro-batch {index + 1} of {self.micro}, backward: the tied "
-                              "weights' gradients to the stage that owns them")
+            engine._action = self._label(index, chunk, "backward: the tied weights' gradients "
+                                                       "to the stage that owns them")
             engine._give_tied_grads()
 
     def finish(self) -> None:

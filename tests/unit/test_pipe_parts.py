@@ -56,26 +56,54 @@ def test_1f1b_keeps_at_most_stages_minus_stage_micro_batches_alive():
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
 
 
-def test_the_schedules_cannot_deadlock():
+def _needs(action, s: int, stages: int, chunks: int):
+    """What an action waits for: the action of another stage whose send it receives."""
+    kind, i, c = (*action, 0)[:3]
+    if kind == "F":
+        if s > 0:
+            return (s - 1, "F", i, c)
+        return (stages - 1, "F", i, c - 1) if c > 0 else None
+    if s == stages - 1 and c == chunks - 1:
+        return (s, "F", i, c)  # the loss: this rank's own forward
+    return (s + 1, "B", i, c) if s < stages - 1 else (0, "B", i, c + 1)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                             ("interleaved", 3)])
+def test_the_schedules_cannot_deadlock(schedule, chunks):
     """Simulated with blocking receives and sends that never wait: every stage finishes."""
-    for stages, micro in ((2, 4), (4, 4), (4, 8), (3, 2)):
-        for schedule in ("1f1b", "gpipe"):
-            lists = [train_actions(s, stages, micro, schedule) for s in range(stages)]
-            at, done = [0] * stages, set()
-            progress = True
-            while progress:
-                progress = False
-                for s in range(stages):
-                    if at[s] == len(lists[s]):
-                        continue
-                    kind, i = lists[s][at[s]]
-                    needs = (s - 1, "F", i) if kind == "F" and s > 0 else \
-                        (s + 1, "B", i) if kind == "B" and s < stages - 1 else None
-                    if needs is None or needs in done:
-                        done.add((s, kind, i))
-                        at[s] += 1
-                        progress = True
-            assert at == [len(x) for x in lists], (stages, micro, schedule, at)
+    for stages, micro in ((2, 4), (4, 4), (4, 8), (3, 6), (2, 2)):
+        lists = [train_actions(s, stages, micro, schedule, chunks) for s in range(stages)]
+        at, done = [0] * stages, set()
+        progress = True
+        while progress:
+            progress = False
+            for s in range(stages):
+                if at[s] == len(lists[s]):
+                    continue
+                action = lists[s][at[s]]
+                need = _needs(action, s, stages, chunks)
+                if need is None or need in done:
+                    done.add((s, *(*action, 0)[:3]))
+                    at[s] += 1
+                    progress = True
+        assert at == [len(x) for x in lists], (stages, micro, schedule, at)
+
+
+def test_interleaved_runs_each_chunk_of_each_micro_batch_once_each_way():
+    actions = train_actions(1, 2, 4, "interleaved", chunks=2)
+    assert sorted(a for a in actions if a[0] == "F") == [
+        ("F", i, c) for i in range(4) for c in range(2)]
+    # the last stage: 2 forwards ahead (chunk 0 of a group of 2), then one forward, one backward
+    assert actions[:6] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1), ("F", 1, 1),
+                           ("B", 1, 1)]
+    assert train_actions(0, 2, 4, "interleaved", chunks=2)[:5] == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1), ("F", 2, 0)]  # 4 ahead
+    assert bubble_fraction(4, 8, chunks=2) == pytest.approx(3 / 19)
+    with pytest.raises(ValueError, match="must be a multiple of 4"):
+        train_actions(0, 4, 6, "interleaved", chunks=2)
+    with pytest.raises(ValueError, match="set pipeline.schedule to \"interleaved\""):
+        train_actions(0, 2, 4, "1f1b", chunks=2)
 
 
 def test_topologies_lay_ranks_out_as_deepspeed_does():

@@ -108,6 +108,10 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: recompute every run of this many layers in backward
             (0: keep every activation); ``checkpointable_layers`` limits it to those classes.
         dynamic_shape: accepted; activations of any shape are sent every time.
+        virtual_stages: chunks of layers per rank for the interleaved schedule (shardtrain's;
+            ``pipeline.schedule: "interleaved"``): the layers are cut into
+            ``num_stages * virtual_stages`` parts and stage s holds parts s, s + num_stages,
+            ... (1: one contiguous run of layers per stage, DeepSpeed's).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None,
@@ -116,7 +120,8 @@ class PipelineModule(nn.Module):
                  base_seed: int = 1234, partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable = _checkpoint,
-                 checkpointable_layers: Optional[List[str]] = None, dynamic_shape: bool = False):
+                 checkpointable_layers: Optional[List[str]] = None, dynamic_shape: bool = False,
+                 virtual_stages: int = 1):
         super().__init__()
         world, rank = comm.get_world_size(), comm.get_rank()
         self._topo = _topology(num_stages, topology, world)
@@ -144,10 +149,21 @@ class PipelineModule(nn.Module):
         if not self._layer_specs:
             raise ValueError("PipelineModule needs at least one layer.")
         self._num_layers = len(self._layer_specs)
+        if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) \
+                or virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}.")
+        if virtual_stages > 1 and self.num_stages < 2:
+            raise ValueError("virtual_stages > 1 interleaves chunks of layers over pipeline "
+                             "stages: it needs num_stages >= 2.")
+        self.virtual_stages = virtual_stages
         self.parts = self._partition(partition_method)
-        self._local_start = self.parts[self.stage_id]
-        self._local_stop = self.parts[self.stage_id + 1]
+        #: this stage's runs of layers, one per virtual stage: parts s, s + P, s + 2P, ...
+        self.chunk_ranges = [(self.parts[self.stage_id + c * self.num_stages],
+                              self.parts[self.stage_id + c * self.num_stages + 1])
+                             for c in range(virtual_stages)]
+        self._local_start, self._local_stop = self.chunk_ranges[0]
         self.forward_funcs: List[Callable] = []
+        self.chunk_funcs: List[List[Callable]] = []
         self.fwd_map: Dict[str, int] = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: Dict[str, List[str]] = {}
@@ -161,10 +177,11 @@ class PipelineModule(nn.Module):
         if not isinstance(method, str):
             raise TypeError(f"partition_method must be a string, got {method!r}.")
         lowered = method.lower()
+        parts = self.num_stages * self.virtual_stages
         if lowered == "uniform":
-            return partition_uniform(self._num_layers, self.num_stages)
+            return partition_uniform(self._num_layers, parts)
         if lowered == "parameters":
-            return partition_balanced(self._count_layer_params(), self.num_stages)
+            return partition_balanced(self._count_layer_params(), parts)
         if lowered.startswith("type:"):
             pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
             hits = [1 if (name := _layer_name(layer)) and pattern.search(name) else 0
@@ -173,7 +190,7 @@ class PipelineModule(nn.Module):
                 raise ValueError(f"partition_method {method!r}: no layer's class name matches "
                                  f"{pattern.pattern!r}; the layers are "
                                  f"{[_layer_name(x) for x in self._layer_specs]}.")
-            return partition_balanced(hits, self.num_stages)
+            return partition_balanced(hits, parts)
         raise NotImplementedError(f"partition_method {method!r} is not supported; use one of "
                                   f"{', '.join(PARTITION_METHODS)}.")
 
@@ -190,7 +207,13 @@ class PipelineModule(nn.Module):
         return counts
 
     def _build(self) -> None:
-        for index in range(self._local_start, self._local_stop):
+        for start, stop in self.chunk_ranges:
+            before = len(self.forward_funcs)
+            self._build_range(start, stop)
+            self.chunk_funcs.append(self.forward_funcs[before:])
+
+    def _build_range(self, start: int, stop: int) -> None:
+        for index in range(start, stop):
             layer = self._layer_specs[index]
             if self.seed_layers:
                 (self.seed_fn or torch.manual_seed)(self.base_seed + index)
@@ -224,6 +247,8 @@ class PipelineModule(nn.Module):
                 stage = self.stage_owner(index)
                 if stage not in stages_of.setdefault(layer.key, []):
                     stages_of[layer.key].append(stage)
+        for stages in stages_of.values():  # the first stage owns: its last backward is last
+            stages.sort()
         #: every tie key of the model and the stages holding it (each rank knows them all)
         self.tie_stages = {key: stages for key, stages in sorted(stages_of.items())}
         ties = []
@@ -245,9 +270,10 @@ class PipelineModule(nn.Module):
 
     # -- running ----------------------------------------------------------------------------
 
-    def forward(self, forward_input: Any) -> Any:
+    def forward(self, forward_input: Any, chunk: int = 0) -> Any:
+        """This stage's layers (of virtual stage ``chunk``) applied in order."""
         x = forward_input
-        funcs, every = self.forward_funcs, self.activation_checkpoint_interval
+        funcs, every = self.chunk_funcs[chunk], self.activation_checkpoint_interval
         if every == 0:
             return _run(funcs, x)
         for start in range(0, len(funcs), every):
@@ -268,15 +294,16 @@ class PipelineModule(nn.Module):
     # -- queries (DeepSpeed's names) --------------------------------------------------------
 
     def partitions(self) -> List[int]:
-        """The layer boundaries: stage s holds layers ``parts[s]`` to ``parts[s + 1] - 1``."""
+        """The layer boundaries: part k is layers ``parts[k]`` to ``parts[k + 1] - 1``, held by
+        stage ``k % num_stages`` (with one virtual stage, part s is stage s)."""
         return list(self.parts)
 
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < self._num_layers:
             raise IndexError(f"layer {layer_idx} is outside 0..{self._num_layers - 1}.")
-        for stage in range(self.num_stages):
-            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
-                return stage
+        for part in range(len(self.parts) - 1):
+            if self.parts[part] <= layer_idx < self.parts[part + 1]:
+                return part % self.num_stages
         raise AssertionError(f"layer {layer_idx} has no stage in {self.parts}")
 
     def topology(self) -> ProcessTopology:

@@ -2,7 +2,8 @@
 
 An action is ``("F", i)`` (forward of micro-batch ``i``: receive its input from the stage
 before, run, send the output on) or ``("B", i)`` (backward: receive the output's gradient
-from the stage after, run, send the input's gradient back). Sends never wait, receives do;
+from the stage after, run, send the input's gradient back); with virtual stages,
+``("F", i, c)`` and ``("B", i, c)`` name the chunk ``c`` of this rank's layers as well. Sends never wait, receives do;
 every stage following its list and sending in that order cannot deadlock, because each
 receive waits on an action that an earlier-or-equal step of another stage's list performs.
 
@@ -11,6 +12,14 @@ forwards ahead, then alternates one forward and one backward, then drains; at mo
 ``stages - stage`` micro-batches' activations are alive on a stage at once. ``gpipe``:
 every forward, then every backward (as many activations alive as micro-batches). Both idle
 ``(stages - 1) / (micro_batches + stages - 1)`` of a step on each stage.
+
+``interleaved`` (Megatron's interleaved 1F1B): each rank holds V chunks of layers (chunk c
+of stage s is part ``s + c * stages`` of the model), a micro-batch visits every rank V times,
+and forwards go in groups of ``stages`` micro-batches through chunk 0, then chunk 1, ...
+(backwards through the chunks in reverse). A rank runs ``2 (stages - stage - 1) + (V - 1)
+stages`` forwards ahead, then one forward and one backward in turn. The idle share falls to
+``(stages - 1) / (V micro_batches + stages - 1)``, for V times the sends; the micro-batches
+must be a multiple of the stages.
 """
 from __future__ import annotations
 
@@ -18,9 +27,9 @@ from typing import List, Tuple
 
 __all__ = ["SCHEDULES", "train_actions", "eval_actions", "bubble_fraction"]
 
-Action = Tuple[str, int]
+Action = Tuple  # ("F" or "B", micro-batch) or, interleaved, ("F" or "B", micro-batch, chunk)
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 def _check(stage: int, stages: int, micro_batches: int) -> None:
@@ -31,9 +40,15 @@ def _check(stage: int, stages: int, micro_batches: int) -> None:
 
 
 def train_actions(stage: int, stages: int, micro_batches: int,
-                  schedule: str = "1f1b") -> List[Action]:
-    """The forward and backward actions of ``stage`` for one training step."""
+                  schedule: str = "1f1b", chunks: int = 1) -> List[Action]:
+    """The forward and backward actions of ``stage`` for one training step (``chunks``: the
+    virtual stages per rank of the interleaved schedule)."""
     _check(stage, stages, micro_batches)
+    if schedule == "interleaved":
+        return _interleaved(stage, stages, micro_batches, chunks)
+    if chunks != 1:
+        raise ValueError(f"{chunks} virtual stages per rank run the 'interleaved' schedule, "
+                         f"not {schedule!r}: set pipeline.schedule to \"interleaved\".")
     if schedule == "gpipe":
         return [("F", i) for i in range(micro_batches)] + \
                [("B", i) for i in range(micro_batches)]
@@ -47,11 +62,38 @@ def train_actions(stage: int, stages: int, micro_batches: int,
     return actions
 
 
-def eval_actions(micro_batches: int) -> List[Action]:
-    """Evaluation: forwards only, in order, on every stage."""
-    return [("F", i) for i in range(micro_batches)]
+def _interleaved(stage: int, stages: int, micro_batches: int, chunks: int) -> List[Action]:
+    if chunks < 2:
+        raise ValueError("the 'interleaved' schedule needs virtual stages: build the "
+                         "PipelineModule with virtual_stages >= 2.")
+    if micro_batches % stages:
+        raise ValueError(f"the 'interleaved' schedule runs the micro-batches in groups of "
+                         f"{stages} (the stages): gradient_accumulation_steps "
+                         f"{micro_batches} must be a multiple of {stages}.")
+    total = micro_batches * chunks
+    ahead = min(2 * (stages - stage - 1) + (chunks - 1) * stages, total)
+
+    def at(k: int, kind: str) -> Action:
+        chunk = (k // stages) % chunks
+        index = (k // (stages * chunks)) * stages + k % stages
+        return (kind, index, chunk if kind == "F" else chunks - 1 - chunk)
+
+    actions = [at(k, "F") for k in range(ahead)]
+    for k in range(total - ahead):
+        actions += [at(ahead + k, "F"), at(k, "B")]
+    actions += [at(k, "B") for k in range(total - ahead, total)]
+    return actions
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """The share of a step each stage idles in 1F1B or GPipe with equal stage times."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def eval_actions(micro_batches: int, chunks: int = 1) -> List[Action]:
+    """Evaluation: forwards only, in order, on every stage (each chunk in turn with virtual
+    stages: a micro-batch's chunk c needs the last stage's chunk c - 1)."""
+    if chunks == 1:
+        return [("F", i) for i in range(micro_batches)]
+    return [("F", i, c) for c in range(chunks) for i in range(micro_batches)]
+
+
+def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The share of a step each stage idles with equal stage times: 1F1B and GPipe, and the
+    interleaved schedule with ``chunks`` virtual stages per rank."""
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
