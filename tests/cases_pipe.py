@@ -256,16 +256,22 @@ def llama(tie: bool) -> nn.Module:
         tie_word_embeddings=tie, attn_implementation="eager"))
 
 
-def case_llama(stages: int, stage: int, tie: bool, root: str = ""
+def case_llama(stages: int, stage: int, tie: bool, root: str = "", via_config: bool = False
                ) -> Callable[[int, int], Dict[str, Any]]:
     """transformers' Llama split into stages by its decoder layers (eager attention: the
     model's own causal mask on each stage), against the whole model in one process; with
     ``root``, its checkpoint exported to the Hugging Face layout and read by from_pretrained."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         from shardtrain.pipe import split_causal_lm
-        module = split_causal_lm(llama(tie), num_stages=stages)
         dp = world // stages
-        engine, *_ = shardtrain.initialize(model=module, config=config(8 // dp, stage))
+        if via_config:  # the whole model, and the config's pipeline.stages
+            whole = llama(tie)
+            engine, *_ = shardtrain.initialize(
+                model=whole, model_parameters=list(whole.parameters()),
+                config=config(8 // dp, stage, pipeline={"stages": stages}))
+        else:
+            module = split_causal_lm(llama(tie), num_stages=stages)
+            engine, *_ = shardtrain.initialize(model=module, config=config(8 // dp, stage))
         data = [[[(x, x) for x, _ in replica] for replica in step] for step in batches(2, 4)]
         replica = engine.mesh.coordinate()["dp"]
         losses, norms = [], []
@@ -387,6 +393,8 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     attempt("schedule", lambda: shardtrain.initialize(
         model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss),
         config=config(2, pipeline={"schedule": "zigzag"})))
+    attempt("stages_of_a_plain_model", lambda: shardtrain.initialize(
+        model=nn.Linear(2, 2), config=config(2, pipeline={"stages": 2})))
     attempt("zero3", lambda: shardtrain.initialize(
         model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss), config=config(2, 3)))
     module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
@@ -422,7 +430,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     cases = {
         "checkpoint": case_checkpoint(root, FOUR_RANK_MOVES),
         "llama_pp2_dp2_tied_s1": case_llama(2, 1, True, root),
-        "llama_pp4_s0": case_llama(4, 0, False),
+        "llama_pp4_s0": case_llama(4, 0, False, via_config=True),
         "pp4_s0": case_train(4, 0),
         "pp2_dp2_s1": case_train(2, 1, extra={"zero_optimization": {
             "stage": 1, "overlap_comm": True, "reduce_bucket_size": 500}}),

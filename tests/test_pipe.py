@@ -41,7 +41,9 @@ def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
 @pytest.mark.parametrize("name", ["llama_pp2_dp2_tied_s1", "llama_pp4_s0"])
 def test_a_hugging_face_llama_split_by_its_layers_trains_as_one_process(run, name):
     """split_causal_lm on transformers' Llama (tied embedding and head across pp2 x dp2 at
-    ZeRO-1; untied on pp4): the whole model's losses, norms and weights under its own names;
+    ZeRO-1; untied on pp4, split by initialize from the config's pipeline.stages, the
+    parameters given before the split kept to this stage's): the whole model's losses,
+    norms and weights under its own names;
     the pp2 checkpoint exports to the Hugging Face layout, which from_pretrained reads back
     as the one-process weights."""
     for rank in range(4):
@@ -138,6 +140,8 @@ def test_mistakes_are_named(run):
     assert "no layer's class name matches 'Conv'" in got["type_none"]
     assert "pipeline.schedule 'zigzag'" in got["schedule"]
     assert got["zero3"].startswith("NotImplementedError: ZeRO stage 3 with a PipelineModule")
+    assert got["stages_of_a_plain_model"].startswith(
+        "InitializeError: the config asks for pipeline.stages 2, but the model is a Linear")
     assert got["forward"].startswith("PipelineError") and "train_batch" in got["forward"]
     assert got["step"].startswith("PipelineError")
     assert "save_16bit_model of a model split into pipeline stages" in got["save"]

@@ -88,6 +88,13 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
     stages = model.topology().get_dim("pipe") if isinstance(model, PipelineModule) else 1
     cfg = config if isinstance(config, ShardConfig) else \
         load_config(config, comm.get_world_size() // stages, data_parallel_world_size=dp)
+    asked = cfg.pipeline.get("stages")
+    if not isinstance(model, PipelineModule) and isinstance(asked, int) and asked > 1:
+        model = _split_into_stages(model, asked)  # a Hugging Face causal LM, by its layers
+        model_parameters, optimizer = _on_this_stage(model, model_parameters, optimizer)
+        stages = asked
+        if not isinstance(config, ShardConfig):
+            cfg = load_config(config, comm.get_world_size() // stages, data_parallel_world_size=dp)
     kind = Engine
     if isinstance(model, PipelineModule):  # the batch counts the data-parallel ranks of a stage
         model_axis = max(model.topology().get_dim("model"), 1)
@@ -101,6 +108,44 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = engine.local_rank  # DeepSpeed overwrites it with the env value too
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _split_into_stages(model: torch.nn.Module, stages: int) -> PipelineModule:
+    """``pipeline.stages`` > 1 for a model that is not a PipelineModule: a Hugging Face causal
+    LM is split by its decoder layers; anything else is refused (DeepSpeed ignores the key)."""
+    from .pipe import split_causal_lm
+    try:
+        return split_causal_lm(model, num_stages=stages)
+    except (NotImplementedError, TypeError) as err:
+        raise InitializeError(
+            f"the config asks for pipeline.stages {stages}, but the model is a "
+            f"{type(model).__name__}, not a PipelineModule, and cannot be split by its layers "
+            f"({err}). Build a shardtrain.pipe.PipelineModule of its layers, or remove "
+            "pipeline.stages.") from None
+
+
+def _on_this_stage(model: torch.nn.Module, model_parameters, optimizer):
+    """The parameters (or parameter groups) and an optimizer's groups given before the split,
+    without the layers other stages hold."""
+    kept = {id(p) for p in model.parameters()}
+
+    def keep(items):
+        out = []
+        for item in items:
+            if isinstance(item, dict) and "params" in item:
+                group = [item["params"]] if isinstance(item["params"], torch.Tensor) \
+                    else list(item["params"])
+                out.append({**item, "params": [p for p in group if id(p) in kept]})
+            elif id(item) in kept:
+                out.append(item)
+        return out
+
+    if model_parameters is not None:
+        model_parameters = keep(list(model_parameters))
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+    return model_parameters, optimizer
 
 
 def _resolve_config_source(args, config, config_params):

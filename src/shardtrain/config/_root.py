@@ -127,8 +127,8 @@ class ShardConfig(_ConfigModel):
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig, description="autotuner")
     pipeline: _Block = Field(default_factory=dict, description=(
         "pipeline parallelism: read by a PipelineModule's engine (schedule, "
-        "activation_checkpoint_interval; unknown keys refused there), ignored for other models "
-        "as DeepSpeed does"))
+        "activation_checkpoint_interval; unknown keys refused there); stages > 1 splits a "
+        "Hugging Face causal LM into stages (refused for other models)"))
     tensor_parallel: _Block = Field(default_factory=dict, description="tensor parallelism")
     expert_parallel: _Block = Field(default_factory=dict, description="expert parallelism")
     hybrid_engine: _Block = Field(default_factory=dict, description="hybrid engine")

@@ -5,9 +5,11 @@ DeepSpeed's keys: ``activation_checkpoint_interval`` (when above 0, it replaces 
 itself), ``pipe_partitioned`` and ``grad_partitioned`` (DeepSpeed splits the
 activations it sends over the tensor-parallel ranks; here each rank of a tensor-parallel group
 sends its own copy to its partner of the next stage, so both are accepted and change nothing),
-``stages`` and ``partition`` (the module's own ``num_stages`` and ``partition_method`` decide;
-DeepSpeed's engine does not read them either), ``seed_layers``. Ours: ``schedule``, the order
-in which each stage runs its micro-batches (``"1f1b"``, DeepSpeed's, or ``"gpipe"``).
+``partition`` (the module's own ``partition_method`` decides; DeepSpeed's engine does not read
+it either), ``seed_layers``, and ``stages``: the module's ``num_stages`` decides, and
+``initialize`` splits a Hugging Face causal LM given whole into that many stages. Ours: ``schedule``, the order
+in which each stage runs its micro-batches (``"1f1b"``, DeepSpeed's, ``"gpipe"``, or
+``"interleaved"`` for a module built with ``virtual_stages`` > 1).
 """
 from __future__ import annotations
 
