@@ -33,11 +33,12 @@ def test_groups_follow_the_layout_with_tensor_parallel_ranks_adjacent(mesh):
     tp, sp, results = mesh
     expected = _expected_groups(tp, sp)
     for rank, got in enumerate(results):
-        assert got["sizes"] == {"dp": 4 // (tp * sp), "sp": sp, "tp": tp}
+        # one pipeline stage: the pipeline dimension is there, of size 1
+        assert got["sizes"] == {"pp": 1, "dp": 4 // (tp * sp), "sp": sp, "tp": tp}
         assert got["ranks"] == {d: expected[rank][d] for d in ("dp", "sp", "tp")}, rank
         assert got["zero_ranks"] == expected[rank]["zero"], rank
         assert got["local"] == {d: expected[rank][d].index(rank) for d in ("dp", "sp", "tp")}
-        assert got["coordinate"] == {"dp": rank // (sp * tp), "sp": rank // tp % sp,
+        assert got["coordinate"] == {"pp": 0, "dp": rank // (sp * tp), "sp": rank // tp % sp,
                                      "tp": rank % tp}
         layout = [[[(d * sp + s) * tp + t for t in range(tp)] for s in range(sp)]
                   for d in range(4 // (tp * sp))]
