@@ -1,7 +1,8 @@
 """Runs a function on N real processes (gloo on CPU) and brings back their results.
 
 One call starts one process group; the function it runs usually checks many cases, so a
-test module pays for process start-up once. Every run has a deadline: a hang fails in
+test module pays for process start-up once, and the ranks are forked from a server that has
+imported torch and shardtrain already (a launch takes a fraction of a second, not ten). Every run has a deadline: a hang fails in
 seconds with each rank's output instead of blocking the suite.
 """
 from __future__ import annotations
@@ -102,6 +103,20 @@ def _entry(rank: int, world_size: int, port: int, target: str, kwargs: Dict[str,
         sys.exit(1)
 
 
+_CONTEXT = None
+
+
+def _context():
+    """Rank processes forked from a server that has imported torch and shardtrain once (a
+    fresh interpreter per rank would import them again: most of a launch's seconds). The
+    server holds no process group and no threads of training; each rank starts its own."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "shardtrain", "_dist"])
+    return _CONTEXT
+
+
 def run_ranks(target: str, world_size: int, timeout: float = 180.0,
               env: Optional[Dict[str, str]] = None, need: Optional[List[int]] = None,
               **kwargs: Any) -> List[Any]:
@@ -111,7 +126,7 @@ def run_ranks(target: str, world_size: int, timeout: float = 180.0,
     Raises RanksFailed with every rank's output on an error, a crash or the deadline. With
     ``need``, only those ranks must report (the others may die: their value is None).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     logdir = tempfile.mkdtemp(prefix="shardtrain-ranks-")
