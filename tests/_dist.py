@@ -2,8 +2,9 @@
 
 One call starts one process group; the function it runs usually checks many cases, so a
 test module pays for process start-up once, and the ranks are forked from a server that has
-imported torch and shardtrain already (a launch takes a fraction of a second, not ten). Every run has a deadline: a hang fails in
-seconds with each rank's output instead of blocking the suite.
+imported torch and shardtrain already (a launch takes a fraction of a second, not ten).
+Every run has a deadline: a hang fails in seconds with each rank's output instead of
+blocking the suite.
 """
 from __future__ import annotations
 
