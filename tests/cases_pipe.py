@@ -375,6 +375,16 @@ def case_checkpoint(root: str, moves) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
+def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
+    """ds_pipe_model's training through the alias: the losses DeepSpeed 0.19.8's own
+    PipelineEngine recorded (tests/fixtures/deepspeed_pipe)."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        import deepspeed
+        import ds_pipe_model
+        return {"losses": ds_pipe_model.train(deepspeed, stage)}
+    return case
+
+
 def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     """What a pipeline engine refuses, and the bad arguments a PipelineModule gets."""
     out: Dict[str, Any] = {}
@@ -444,6 +454,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         "pp2_tp2_s1": case_train(2, 1, topology=_tp2, extra={"tensor_parallel": TP_BLOCKS}),
         "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval,
         "deepspeed_example": case_deepspeed_example,
+        "deepspeed_s0": case_deepspeeds_losses(0), "deepspeed_s1": case_deepspeeds_losses(1),
         "refusals": case_refusals,
     }
     return run_cases(cases, rank, world_size)
