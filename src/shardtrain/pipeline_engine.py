@@ -6,8 +6,9 @@ receives its input from the previous stage (the first stage reads the data itera
 the stage's layers through :class:`~shardtrain.engine.Engine`'s forward (precision, ZeRO,
 telemetry as for any model) and sends the output on (the last stage applies ``loss_fn``); a
 backward receives the output's gradient, backpropagates through the stage and sends the
-input's gradient back. Gradients reduce over the stage's data-parallel group at the last
-micro-batch's backward (the accumulation boundary), as without stages; the global norm adds
+input's gradient back (with virtual stages, a rank's chunks feed each other through the
+last stage). Gradients reduce over the stage's data-parallel group at the rank's last
+backward (the accumulation boundary), as without stages; the global norm adds
 every stage's part; tied weights reach their owner's gradient before that reduction, and
 their new values go back to the other stages after the step.
 
@@ -15,7 +16,7 @@ The schedules run on shardtrain's own point-to-point sends rather than on
 ``torch.distributed.pipelining``'s stage objects: those drive backward themselves and keep no
 place for the engine's gradient reduction at the accumulation boundary, for the tied weights'
 gradient before it, or for the collective bounds and reports of ``shardtrain.comm``; the action
-lists are the same 1F1B and GPipe orders.
+lists are the same 1F1B, GPipe and interleaved 1F1B orders.
 """
 from __future__ import annotations
 
