@@ -12,27 +12,9 @@ import shardtrain
 from shardtrain.full_weights import full_state_dict
 from shardtrain.pipe import LayerSpec, PipeModelDataParallelTopology, PipelineModule, TiedLayerSpec
 
-V, H, T, B = 32, 16, 6, 2   # vocabulary, width, tokens per row, rows per micro-batch
+from ds_pipe_model import B, H, T, V, Block, head, lm_loss
+
 LAYERS, STEPS, SEED = 6, 3, 7
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 2 * width)
-        self.out = nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.out(torch.tanh(self.fc(self.norm(x))))
-
-
-def head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
-    return x @ embedding.weight.t()
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1))
 
 
 def specs(tied: bool = True) -> List[Any]:
