@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from .. import comm
 from .module import PipelineModule, TiedWeight, _topology
 from .topology import ProcessTopology
 
@@ -138,7 +139,7 @@ def split_causal_lm(model: nn.Module, num_stages: Optional[int] = None,
             f"and norm, with a rotary embedding and an lm_head (Llama, Qwen2, Mistral...); "
             f"{type(model).__name__} lacks {missing or ['lm_head or rotary_emb']}. Write the "
             "model as a PipelineModule of layers instead.")
-    _topology(num_stages, topology, _world())  # its mistakes first, before the model changes
+    _topology(num_stages, topology, comm.get_world_size())  # its mistakes first, before the model changes
     return _CausalLMStage(model, num_stages, topology, partition_method, loss_fn)
 
 
@@ -149,7 +150,3 @@ def _base_of(model: nn.Module) -> nn.Module:
                         "base model under its base_model_prefix).")
     return base
 
-
-def _world() -> int:
-    from .. import comm
-    return comm.get_world_size()
