@@ -17,11 +17,14 @@ from ds_pipe_model import B, H, T, V, Block, head, lm_loss
 LAYERS, STEPS, SEED = 6, 3, 7
 
 
-def specs(tied: bool = True) -> List[Any]:
+def specs(tied: bool = True, middle_tie: bool = False) -> List[Any]:
     first = TiedLayerSpec("embed", nn.Embedding, V, H) if tied else LayerSpec(nn.Embedding, V, H)
     last = TiedLayerSpec("embed", nn.Embedding, V, H, forward_fn=head) if tied \
         else LayerSpec(nn.Linear, H, V, bias=False)
-    return [first] + [LayerSpec(Block, H) for _ in range(LAYERS)] + [last]
+    blocks = [LayerSpec(Block, H) for _ in range(LAYERS)]
+    if middle_tie:  # one linear map at layers 1 and 4: parts 0 and 2 of 4 cut uniformly
+        blocks[0] = blocks[3] = TiedLayerSpec("middle", nn.Linear, H, H, bias=False)
+    return [first] + blocks + [last]
 
 
 class OneProcess(nn.Module):
@@ -98,15 +101,16 @@ TP_BLOCKS = {"autotp_size": 2, "partition_config": {"layer_specs": [
 def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b",
                clip: float = 1.0, tied: bool = True, topology: Optional[Callable] = None,
                extra: Optional[Dict[str, Any]] = None, partition: str = "parameters",
-               chunks: int = 1) -> Callable[[int, int], Dict[str, Any]]:
+               chunks: int = 1, placement: str = "loop", middle_tie: bool = False
+               ) -> Callable[[int, int], Dict[str, Any]]:
     """``train_batch`` on a split of ``stages`` against one process: each step's loss, the
     clipped global norm, and every weight this rank holds."""
     def case(rank: int, world: int) -> Dict[str, Any]:
-        layers = specs(tied)
+        layers = specs(tied, middle_tie)
         module = PipelineModule(layers, num_stages=None if topology else stages,
                                 topology=topology(world) if topology else None,
                                 loss_fn=lm_loss, seed_layers=True, partition_method=partition,
-                                virtual_stages=chunks)
+                                virtual_stages=chunks, chunk_placement=placement)
         cfg = config(gas, stage, clip, pipeline={"schedule": schedule}, **(extra or {}))
         engine, *_ = shardtrain.initialize(model=module, config=cfg)
         dp = engine.mesh.sizes["dp"]
@@ -151,11 +155,13 @@ def case_16bit(kind: str) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
-def case_eval(rank: int, world: int) -> Dict[str, Any]:
+def case_eval(rank: int, world: int, v: bool = False) -> Dict[str, Any]:
     """eval_batch on pp2 x dp2: the mean loss of the global batch on every rank, the logits
-    on the last stage, the training iterator left in place."""
-    module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
-    engine, *_ = shardtrain.initialize(model=module, config=config(2))
+    on the last stage (``v``: placed as a V, where stage 0 holds the last layers)."""
+    module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True,
+                            virtual_stages=2 if v else 1, chunk_placement="v" if v else "loop")
+    engine, *_ = shardtrain.initialize(
+        model=module, config=config(2, pipeline={"schedule": "zbv" if v else "1f1b"}))
     data = batches(2, 2, steps=1)[0]
     replica = engine.mesh.coordinate()["dp"]
     with torch.no_grad():
@@ -297,18 +303,21 @@ def case_llama(stages: int, stage: int, tie: bool, root: str = "", via_config: b
     return case
 
 
-#: (label, stages, tensor-parallel size, ZeRO stage, loads): the first saves after two steps
+#: (label, stages, tensor-parallel size, ZeRO stage, loads[, schedule]): the first saves after
+#: two steps
 FOUR_RANK_MOVES = [("pp2_dp2_s1", 2, 1, 1, False), ("pp2_dp2", 2, 1, 1, True),
-                   ("pp4_s0", 4, 1, 0, True), ("pp1_dp4_s2", 1, 1, 2, True)]
+                   ("pp4_s0", 4, 1, 0, True), ("pp1_dp4_s2", 1, 1, 2, True),
+                   ("pp2_dp2_zbv", 2, 1, 1, True, "zbv")]
 EIGHT_RANK_MOVES = [("pp2_dp2_tp2_s1", 2, 2, 1, False), ("pp4_dp2_s1", 4, 1, 1, True),
                     ("pp2_tp2_dp2_s2", 2, 2, 2, True)]
 
 
-def _module(stages: int, tp: int, world: int) -> PipelineModule:
+def _module(stages: int, tp: int, world: int, v: bool = False) -> PipelineModule:
     topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp,
                                              num_dp=world // (stages * tp)) if tp > 1 else None
     return PipelineModule(specs(), num_stages=None if topology else stages, topology=topology,
-                          loss_fn=lm_loss, seed_layers=True)
+                          loss_fn=lm_loss, seed_layers=True, virtual_stages=2 if v else 1,
+                          chunk_placement="v" if v else "loop")
 
 
 def case_checkpoint(root: str, moves) -> Callable[[int, int], Dict[str, Any]]:
@@ -320,12 +329,15 @@ def case_checkpoint(root: str, moves) -> Callable[[int, int], Dict[str, Any]]:
         data = batches(2, 4)  # 16 rows a step: 8 micro-batches of 2
         out: Dict[str, Any] = {}
         saved = f"{root}/saved{world}"
-        for label, stages, tp, stage, load in moves:
+        for label, stages, tp, stage, load, *schedule in moves:
             dp = world // (stages * tp)
             cfg = config(8 // dp, stage)
             if tp > 1:
                 cfg["tensor_parallel"] = TP_BLOCKS
-            engine, *_ = shardtrain.initialize(model=_module(stages, tp, world), config=cfg)
+            v = schedule == ["zbv"]
+            if v:
+                cfg["pipeline"] = {"schedule": "zbv"}
+            engine, *_ = shardtrain.initialize(model=_module(stages, tp, world, v), config=cfg)
             replica = engine.mesh.coordinate()["dp"]
             if load:
                 engine.load_checkpoint(saved)
@@ -387,6 +399,14 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
         config=config(2, pipeline={"schedule": "zigzag"})))
     attempt("stages_of_a_plain_model", lambda: shardtrain.initialize(
         model=nn.Linear(2, 2), config=config(2, pipeline={"stages": 2})))
+    attempt("zbv_loop", lambda: shardtrain.initialize(
+        model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, virtual_stages=2),
+        config=config(2, pipeline={"schedule": "zbv"})))
+    attempt("zbv_one_chunk", lambda: shardtrain.initialize(
+        model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss),
+        config=config(2, pipeline={"schedule": "zbv"})))
+    attempt("v_three", lambda: PipelineModule(specs(), num_stages=2, virtual_stages=3,
+                                              chunk_placement="v"))
     attempt("zero3", lambda: shardtrain.initialize(
         model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss), config=config(2, 3)))
     module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
@@ -417,6 +437,16 @@ def eight_ranks(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     return run_cases(cases, rank, world_size)
 
 
+ZBV_CASES = {
+    "pp2_dp2_zbv_s1": case_train(2, 1, schedule="zbv", chunks=2, placement="v", extra={
+        "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 500}}),
+    "pp4_zbv_s2": case_train(4, 2, gas=8, schedule="zbv", chunks=2, placement="v"),
+    # a weight tied across stages 0 and 1 (and the embedding and head, both on stage 0)
+    "pp2_dp2_zbv_middle_tie_s0": case_train(2, 0, schedule="zbv", chunks=2, placement="v",
+                                            partition="uniform", middle_tie=True),
+}
+
+
 def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     from _dist import run_cases
     cases = {
@@ -432,9 +462,13 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         # two chunks of layers per rank: stage 0 holds parts 0 and 2, stage 1 parts 1 and 3
         "pp2_dp2_interleaved_s1": case_train(2, 1, schedule="interleaved", chunks=2),
         "pp4_interleaved_s2": case_train(4, 2, schedule="interleaved", chunks=2),
+        # zero bubble: two chunks as a V (stage 0 holds the first and last parts, the loss),
+        # each backward split into its input and weight halves
+        **ZBV_CASES,
         # AutoTP splits each Block's fc (column) and out (row) over a stage's two ranks
         "pp2_tp2_s1": case_train(2, 1, topology=_tp2, extra={"tensor_parallel": TP_BLOCKS}),
         "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval,
+        "eval_v": lambda rank, world: case_eval(rank, world, v=True),
         "deepspeed_example": case_deepspeed_example,
         "deepspeed_s0": case_deepspeeds_losses(0), "deepspeed_s1": case_deepspeeds_losses(1),
         "refusals": case_refusals,

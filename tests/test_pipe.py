@@ -11,7 +11,8 @@ from _dist import result, run_ranks
 
 ATOL = 1e-5
 TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_dp2_untied_s2",
-           "pp2_tp2_s1", "pp2_dp2_interleaved_s1", "pp4_interleaved_s2"]
+           "pp2_tp2_s1", "pp2_dp2_interleaved_s1", "pp4_interleaved_s2", "pp2_dp2_zbv_s1",
+           "pp4_zbv_s2", "pp2_dp2_zbv_middle_tie_s0"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,9 @@ def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
     runs), ZeRO-2 under GPipe's order, a clipping norm small enough to clip every step
     (the true global norm across stages), an untied model split by 'type:Block', pp2 x tp2
     (AutoTP in each stage), the interleaved schedule with two chunks per rank on pp2 x dp2
-    (ZeRO-1) and pp4 (ZeRO-2): each step's loss, the clipped norm and every weight each rank
+    (ZeRO-1) and pp4 (ZeRO-2), the zero-bubble V (backwards split into input and weight
+    halves) on pp2 x dp2 (ZeRO-1, reduced while the weight halves run), pp4 (ZeRO-2) and with
+    a weight tied across stages 0 and 1: each step's loss, the clipped norm and every weight each rank
     holds (tensor-parallel slices joined) equal one process's (fp32)."""
     for rank in range(4):
         _same_as_one_process(result(run, name, rank))
@@ -74,6 +77,12 @@ def test_stages_hold_their_layers_under_global_names_and_the_formulas_bytes(run)
     each rank's model-state bytes are the ZeRO formula of its stage's parameters over the
     stage's data-parallel ranks."""
     from shardtrain.memory import zero_formula_bytes
+    zbv = [result(run, "pp2_dp2_zbv_s1", r) for r in (0, 2)]  # a V: parts 0 and 3, 1 and 2
+    assert zbv[0]["names"] == sorted(
+        [f"{i}.{n}" for i in (1, 6) for n in ("fc.bias", "fc.weight", "norm.bias",
+                                              "norm.weight", "out.bias", "out.weight")]
+        + ["tied_modules.embed.weight"]), zbv[0]["names"]
+    assert {n.split(".")[0] for n in zbv[1]["names"]} == {"2", "3", "4", "5"}
     pp4 = [result(run, "pp4_s0", r) for r in range(4)]
     assert pp4[0]["parts"] == [0, 2, 4, 6, 8]
     assert pp4[0]["names"][-1] == "tied_modules.embed.weight"
@@ -96,11 +105,15 @@ def test_16_bit_pipelines_stay_near_fp32(run, kind, dtype):
         assert got["scale"] == (1.0 if kind == "bf16" else 256.0)
 
 
-def test_eval_batch_returns_the_global_mean_loss_everywhere(run):
+@pytest.mark.parametrize("name", ["eval", "eval_v"])
+def test_eval_batch_returns_the_global_mean_loss_everywhere(run, name):
+    """The logits stay on the stage holding the last layers: stage 1, or stage 0 (ranks 0
+    and 1) when the chunks are placed as a V."""
+    holders = (0, 1) if name == "eval_v" else (2, 3)
     for rank in range(4):
-        got = result(run, "eval", rank)
+        got = result(run, name, rank)
         assert got["loss"] == pytest.approx(got["ref"], abs=ATOL)
-        assert got["logits"] == ([(2, 6, 32), (2, 6, 32)] if rank >= 2 else None)
+        assert got["logits"] == ([(2, 6, 32), (2, 6, 32)] if rank in holders else None)
 
 
 def test_deepspeeds_pipeline_example_runs_through_the_alias(run):
@@ -115,9 +128,9 @@ def test_deepspeeds_pipeline_example_runs_through_the_alias(run):
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_checkpoints_move_between_pipeline_sizes_and_meshes(run, run8, world):
-    """4 ranks: saved on pp2 x dp2 (ZeRO-1) after two steps, loaded on pp2 x dp2, pp4 (ZeRO-0)
-    and one stage over 4 data-parallel ranks (ZeRO-2). 8 ranks: saved on pp2 x dp2 x tp2,
-    loaded on pp4 x dp2 and on pp2 x tp2 x dp2 at ZeRO-2. Each third step is one process's
+    """4 ranks: saved on pp2 x dp2 (ZeRO-1) after two steps, loaded on pp2 x dp2, pp4 (ZeRO-0),
+    one stage over 4 data-parallel ranks (ZeRO-2) and pp2 x dp2 placed as a V for zbv. 8 ranks:
+    saved on pp2 x dp2 x tp2, loaded on pp4 x dp2 and on pp2 x tp2 x dp2 at ZeRO-2. Each third step is one process's
     (loss and every weight); consolidated in one process, the checkpoint is one process's
     weights after two steps."""
     ran = run if world == 4 else run8
@@ -157,6 +170,12 @@ def test_mistakes_are_named(run):
     assert "'best' is not supported" in got["partition"]
     assert "no layer's class name matches 'Conv'" in got["type_none"]
     assert "pipeline.schedule 'zigzag'" in got["schedule"]
+    assert ("pipeline.schedule 'zbv' runs chunks placed as a V; the PipelineModule places "
+            "them as chunk_placement='loop': build it with chunk_placement='v'") in got["zbv_loop"]
+    assert ("the 'zbv' schedule runs two chunks per rank placed as a V: build the "
+            "PipelineModule with virtual_stages=2, chunk_placement=\"v\"") in got["zbv_one_chunk"]
+    assert "chunk_placement='v' places two chunks per stage as a V: set virtual_stages=2" \
+        in got["v_three"]
     assert got["zero3"].startswith("NotImplementedError: ZeRO stage 3 with a PipelineModule")
     assert got["stages_of_a_plain_model"].startswith(
         "InitializeError: the config asks for pipeline.stages 2, but the model is a Linear")

@@ -20,7 +20,9 @@ lists are the same 1F1B, GPipe and interleaved 1F1B orders.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+import contextlib
+from collections import deque
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import torch
 
@@ -31,8 +33,10 @@ from .engine import Engine
 from .errors import PipelineError
 from .pipe import PipelineModule, read_settings, train_actions, eval_actions
 from .pipe import PipeModelDataParallelTopology
+from .pipe import split_backward
 from .pipe.p2p import recv_tensors, send_tensors
-from .state import Phase
+from .pipe.schedule import SPLIT_BACKWARD
+from .state import BackwardPass, Phase
 from .zero.strategy import ReducedGrads
 
 __all__ = ["PipelineEngine"]
@@ -67,7 +71,10 @@ class PipelineEngine(Engine):
         stages = self.mesh.sizes["pp"]
         self.num_stages, self.stage_id = stages, self.mesh.coordinate()["pp"]
         self.micro_batches = self.gradient_accumulation_steps()
+        self._check_schedule(model)
         self._train_actions()  # the schedule's conditions, refused now rather than at a step
+        #: the stage holding the model's last layers, which computes the loss
+        self.loss_stage = model.place(model.num_stages * model.virtual_stages - 1)[0]
         if self._settings.activation_checkpoint_interval > 0:
             model.set_checkpoint_interval(self._settings.activation_checkpoint_interval)
         model._mpu = self.mpu
@@ -160,7 +167,9 @@ class PipelineEngine(Engine):
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this stage holds the model's last layers and computes the loss (the
+        first stage too when its chunks are placed as a V)."""
+        return self.stage_id == self.loss_stage
 
     def set_dataiterator(self, iterator: Iterator) -> None:
         """Where the first and last stages read their micro-batches (``(inputs, labels)``)."""
@@ -193,18 +202,24 @@ class PipelineEngine(Engine):
         self.module.train()
         run = _Run(self, self.micro_batches)
         base = self.train_state.micro_steps
-        backwards, total = 0, self.micro_batches * run.chunks
+        split = self._settings.schedule in SPLIT_BACKWARD
+        passes, total = 0, self.micro_batches * run.chunks
         for kind, index, *chunk in self._train_actions():
             if kind == "F":
                 run.forward(index, True, *chunk)
-            else:
-                last = backwards == total - 1
-                # the accumulation boundary is this rank's last backward, and only that one
-                # (with virtual stages a rank runs micro-batches x chunks backwards)
+            elif kind == "B" and split:
+                run.input_backward(index, *chunk)
+            else:  # a whole backward, or a split one's weight half: the engine's pass
+                last = passes == total - 1
+                # the accumulation boundary is this rank's last pass, and only that one
+                # (with virtual stages a rank runs micro-batches x chunks of them)
                 self.train_state.micro_steps = base + (self.micro_batches - 1 if last else
-                                                       min(backwards, self.micro_batches - 2))
-                backwards += 1
-                run.backward(index, last, *chunk)
+                                                       min(passes, self.micro_batches - 2))
+                passes += 1
+                if kind == "B":
+                    run.backward(index, last, *chunk)
+                else:
+                    run.weight_backward(index, last, *chunk)
         run.finish()
         self.train_state.micro_steps = base + self.micro_batches - 1
         Engine.step(self)
@@ -245,6 +260,20 @@ class PipelineEngine(Engine):
             return loss, run.outputs if self.is_last_stage() else None
         return loss
 
+    def _check_schedule(self, model: PipelineModule) -> None:
+        schedule = self._settings.schedule
+        placement = "v" if schedule == "zbv" else "loop"
+        if model.virtual_stages > 1 and model.chunk_placement != placement:
+            raise ValueError(f"pipeline.schedule {schedule!r} runs chunks placed as "
+                             f"{'a V' if placement == 'v' else 'a loop'}; the PipelineModule "
+                             f"places them as chunk_placement={model.chunk_placement!r}: build "
+                             f"it with chunk_placement={placement!r}.")
+        if schedule in SPLIT_BACKWARD:
+            why = split_backward.supported()
+            if why is not None:
+                raise NotImplementedError(f"pipeline.schedule {schedule!r} splits each backward "
+                                          f"in two, which needs torch >= 2.5: {why}.")
+
     def _train_actions(self) -> list:
         return train_actions(self.stage_id, self.num_stages, self.micro_batches,
                              self._settings.schedule, self.module.virtual_stages)
@@ -257,7 +286,7 @@ class PipelineEngine(Engine):
             out = torch.stack([x.float() for x in losses]).mean()
             comm.all_reduce(out, "avg", group=self.mesh.dp)
         if broadcast and self.num_stages > 1:
-            comm.broadcast(out, self.num_stages - 1, group=self.mesh.pp)
+            comm.broadcast(out, self.loss_stage, group=self.mesh.pp)
         return out
 
     def _send_tied_weights(self) -> None:
@@ -350,9 +379,15 @@ class _Run:
                  keep_outputs: bool = False):
         self.engine, self.micro = engine, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.chunks = engine.module.virtual_stages
+        self.module: PipelineModule = engine.module
+        self.chunks = self.module.virtual_stages
+        self.parts = self.module.num_stages * self.chunks
         self.inputs: Dict[tuple, List[torch.Tensor]] = {}   # (micro-batch, chunk) ->
         self.outputs_alive: Dict[tuple, Any] = {}
+        self.weight_halves: Dict[tuple, split_backward.WeightGrads] = {}
+        self.labels: Dict[int, Any] = {}  # read with the inputs, when this stage is the last
+        self.local: Dict[int, Deque[List[torch.Tensor]]] = {}  # by tag: what a chunk of this
+        # rank sends to another chunk of it (the turn of a V)
         self.losses: List[torch.Tensor] = []
         self.outputs: List[Any] = []
         self.sends: List[comm.Work] = []
@@ -373,28 +408,42 @@ class _Run:
                                 "items.")
         return batch
 
-    # where a chunk's input comes from and its output goes (one chunk: the stages before
-    # and after; interleaved, the last stage's chunk c feeds the first stage's chunk c + 1)
+    # where a chunk's input comes from and its output goes: the parts of the model before
+    # and after its own (one chunk: the stages before and after; interleaved, the last
+    # stage's chunk c feeds the first stage's chunk c + 1; as a V, the last stage's chunk 0
+    # feeds its own chunk 1)
+
+    def _part(self, chunk: int) -> int:
+        return self.module.part_of(self.engine.stage_id, chunk)
 
     def _first(self, chunk: int) -> bool:
-        return self.engine.is_first_stage() and chunk == 0
+        return self._part(chunk) == 0
 
     def _last(self, chunk: int) -> bool:
-        return self.engine.is_last_stage() and chunk == self.chunks - 1
+        return self._part(chunk) == self.parts - 1
 
     def _before(self, chunk: int) -> tuple:
         """(global rank, stage, chunk) that feeds this rank's ``chunk``."""
-        engine = self.engine
-        if engine.stage_id > 0:
-            return engine.prev_stage, engine.stage_id - 1, chunk
-        return engine.mesh.rank_at(pp=engine.num_stages - 1), engine.num_stages - 1, chunk - 1
+        return self._holder(self._part(chunk) - 1)
 
     def _after(self, chunk: int) -> tuple:
         """(global rank, stage, chunk) that this rank's ``chunk`` feeds."""
-        engine = self.engine
-        if engine.stage_id < engine.num_stages - 1:
-            return engine.next_stage, engine.stage_id + 1, chunk
-        return engine.mesh.rank_at(pp=0), 0, chunk + 1
+        return self._holder(self._part(chunk) + 1)
+
+    def _holder(self, part: int) -> tuple:
+        stage, chunk = self.module.place(part)
+        return self.engine.mesh.rank_at(pp=stage), stage, chunk
+
+    def _send(self, tensors: List[torch.Tensor], rank: int, tag: int) -> None:
+        if rank == self.engine.global_rank:
+            self.local.setdefault(tag, deque()).append([t.detach() for t in tensors])
+        else:
+            self.sends += send_tensors(tensors, rank, self.engine.device, tag)
+
+    def _recv(self, rank: int, tag: int) -> List[torch.Tensor]:
+        if rank == self.engine.global_rank:
+            return self.local[tag].popleft()
+        return recv_tensors(rank, self.engine.device, tag)
 
     def _label(self, index: int, chunk: int, what: str) -> str:
         mb = f"micro-batch {index + 1} of {self.micro}"
@@ -407,18 +456,20 @@ class _Run:
         if self._first(chunk):
             batch = self._read()
             inputs, labels = batch[0], batch[1]
+            if engine.is_last_stage() and not self._last(chunk):  # for this rank's last chunk
+                self.labels[index] = labels
         else:
             rank, stage, _ = self._before(chunk)
             engine._action = self._label(index, chunk, f"forward: receiving its input from stage "
                                                         f"{stage} (rank {rank})")
-            received = recv_tensors(rank, engine.device, _tag(chunk, forward=True))
+            received = self._recv(rank, _tag(chunk, forward=True))
             if grad:
                 for t in received:
                     if t.is_floating_point():
                         t.requires_grad_(True)
             inputs = received[0] if len(received) == 1 else tuple(received)
             if self._last(chunk):
-                labels = self._read()[1]
+                labels = self.labels.pop(index) if index in self.labels else self._read()[1]
             self.inputs[index, chunk] = received
         engine._action = self._label(index, chunk, "forward")
         outputs = Engine.forward(engine, inputs, chunk=chunk) if self.chunks > 1 \
@@ -438,47 +489,100 @@ class _Run:
                                 f"{[type(t).__name__ for t in sent]}: a stage passes a tensor or "
                                 "a tuple of tensors to the next.")
         rank, _, to_chunk = self._after(chunk)
-        self.sends += send_tensors(sent, rank, engine.device, _tag(to_chunk, forward=True))
+        self._send(sent, rank, _tag(to_chunk, forward=True))
         if grad:
             self.outputs_alive[index, chunk] = sent
 
     def backward(self, index: int, last: bool, chunk: int = 0) -> None:
+        """The whole backward of a micro-batch's chunk: one pass of the engine."""
         engine = self.engine
-        produced = self.outputs_alive.pop((index, chunk))
-        engine._action = self._label(index, chunk, "backward: the tied weights' gradients from "
-                                                   "the stages holding copies")
-        tied = engine._owned_tied_grads() if last else []
+        tied = self._tied_before(index, chunk, last)
         extra = [(p * g.to(p.dtype)).sum() for p, g in tied]
+        produced = self.outputs_alive.pop((index, chunk))
         engine._action = self._label(index, chunk, "backward")
         if self._last(chunk):
             loss = produced + sum(extra) if extra else produced
             Engine.backward(engine, loss)
         else:
-            rank, stage, _ = self._after(chunk)
-            engine._action = self._label(index, chunk, f"backward: receiving its output's "
-                                                       f"gradient from stage {stage} (rank {rank})")
-            grads = recv_tensors(rank, engine.device, _tag(chunk, forward=False))
-            engine._action = self._label(index, chunk, "backward")
-            floats = [t for t in produced if t.is_floating_point()]
-            if len(grads) != len(floats) or any(g.shape != t.shape for g, t in zip(grads, floats)):
-                raise PipelineError(
-                    f"stage {engine.stage_id}, micro-batch {index}: the next stage sent back "
-                    f"gradients of shapes {[tuple(g.shape) for g in grads]} for outputs of shapes "
-                    f"{[tuple(t.shape) for t in floats]}: the stages disagree on what flows "
-                    "between them (a stage must take the previous stage's outputs as they are).")
-            pairs = [(t, g.to(t.dtype)) for t, g in zip(floats, grads) if t.requires_grad]
+            pairs = self._output_grads(index, chunk, produced)
             pairs += [(x, torch.ones_like(x)) for x in extra]
-            _stage_backward(engine, [t for t, _ in pairs], [g for _, g in pairs])
-        if not self._first(chunk):
-            received = self.inputs.pop((index, chunk))
-            back = [t.grad if t.grad is not None else torch.zeros_like(t)
-                    for t in received if t.is_floating_point()]
-            rank, _, from_chunk = self._before(chunk)
-            self.sends += send_tensors(back, rank, engine.device, _tag(from_chunk, forward=False))
+            _engine_pass(engine, lambda: torch.autograd.backward([t for t, _ in pairs],
+                                                                 [g for _, g in pairs]))
+        self._send_input_grads(index, chunk)
+        self._tied_after(index, chunk, last)
+
+    def input_backward(self, index: int, chunk: int) -> None:
+        """The input half of a split backward: only the gradient of the chunk's input, sent
+        to the chunk before; the weight half waits for :meth:`weight_backward`."""
+        engine = self.engine
+        produced = self.outputs_alive.pop((index, chunk))
+        engine._action = self._label(index, chunk, "backward of the input")
+        if self._last(chunk):
+            engine._step.losses.append(produced.detach())
+            pairs = [(produced, torch.full_like(produced, engine._scaler.scale))]
+        else:
+            pairs = self._output_grads(index, chunk, produced)
+        received = [t for t in self.inputs.get((index, chunk), []) if t.is_floating_point()]
+        with _outside_engine_pass(engine):
+            self.weight_halves[index, chunk] = split_backward.input_grads(
+                [t for t, _ in pairs], [g for _, g in pairs], received, self._leaves())
+        self._send_input_grads(index, chunk)
+
+    def weight_backward(self, index: int, last: bool, chunk: int) -> None:
+        """The weight half of a split backward: the chunk's parameters' gradients, as one
+        pass of the engine."""
+        tied = self._tied_before(index, chunk, last)
+        half = self.weight_halves.pop((index, chunk))
+        self.engine._action = self._label(index, chunk, "backward of the weights")
+        _engine_pass(self.engine, lambda: half.run(extra=tied))
+        self._tied_after(index, chunk, last)
+
+    def _leaves(self) -> List[torch.Tensor]:
+        """What a weight half accumulates into: the trainable parameters and the tied
+        weights' copies."""
+        module = self.module
+        return [t for t in (*module.parameters(), *module.buffers()) if t.requires_grad]
+
+    def _output_grads(self, index: int, chunk: int, produced: List[torch.Tensor]) -> list:
+        """(output, its gradient from the chunk after) for each output that needs one."""
+        engine = self.engine
+        rank, stage, _ = self._after(chunk)
+        engine._action = self._label(index, chunk, f"backward: receiving its output's "
+                                                   f"gradient from stage {stage} (rank {rank})")
+        grads = self._recv(rank, _tag(chunk, forward=False))
+        engine._action = self._label(index, chunk, "backward")
+        floats = [t for t in produced if t.is_floating_point()]
+        if len(grads) != len(floats) or any(g.shape != t.shape for g, t in zip(grads, floats)):
+            raise PipelineError(
+                f"stage {engine.stage_id}, micro-batch {index}: the next stage sent back "
+                f"gradients of shapes {[tuple(g.shape) for g in grads]} for outputs of shapes "
+                f"{[tuple(t.shape) for t in floats]}: the stages disagree on what flows "
+                "between them (a stage must take the previous stage's outputs as they are).")
+        return [(t, g.to(t.dtype)) for t, g in zip(floats, grads) if t.requires_grad]
+
+    def _send_input_grads(self, index: int, chunk: int) -> None:
+        if self._first(chunk):
+            return
+        received = self.inputs.pop((index, chunk))
+        back = [t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in received if t.is_floating_point()]
+        rank, _, from_chunk = self._before(chunk)
+        self._send(back, rank, _tag(from_chunk, forward=False))
+
+    def _tied_before(self, index: int, chunk: int, last: bool) -> List[tuple]:
+        """At the rank's last pass: the tied weights' gradients from the stages holding
+        copies, as (parameter, gradient) for the pass to add."""
+        if not last:
+            return []
+        self.engine._action = self._label(index, chunk, "backward: the tied weights' gradients "
+                                                        "from the stages holding copies")
+        return self.engine._owned_tied_grads()
+
+    def _tied_after(self, index: int, chunk: int, last: bool) -> None:
         if last:
-            engine._action = self._label(index, chunk, "backward: the tied weights' gradients "
-                                                       "to the stage that owns them")
-            engine._give_tied_grads()
+            self.engine._action = self._label(index, chunk, "backward: the tied weights' "
+                                                            "gradients to the stage that owns them")
+            self.engine._give_tied_grads()
 
     def finish(self) -> None:
         self.engine._action = "the last sends of the step"
@@ -497,18 +601,26 @@ def _loss(module: PipelineModule, outputs: Any, labels: Any) -> torch.Tensor:
                         "loss_fn: pass loss_fn=... (called as loss_fn(outputs, labels)).")
 
 
-def _stage_backward(engine: PipelineEngine, tensors: List[torch.Tensor],
-                    grads: List[torch.Tensor]) -> None:
-    """Backpropagates the stage's outputs with the gradients the next stage sent, as one
-    backward pass of the engine (its reduction at the boundary included)."""
+def _engine_pass(engine: PipelineEngine, run) -> None:
+    """``run()`` (autograd from a stage's outputs, or a weight half) as one backward pass of
+    the engine: its reduction at the accumulation boundary included."""
     with engine._in_phase(Phase.BACKWARD):
         engine._begin_backward(None, 1.0)
         try:
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+            run()
         except BaseException:
             engine._step.backward = None
             engine._phase = Phase.IDLE
             raise
         engine._end_backward()
 
+
+@contextlib.contextmanager
+def _outside_engine_pass(engine: PipelineEngine) -> Iterator[None]:
+    """The input half of a split backward: autograd alone, as no parameter's gradient
+    arrives in it; the outputs' hooks find a pass running and leave their gradients be."""
+    engine._phase, engine._step.backward = Phase.BACKWARD, BackwardPass(None, 1.0)
+    try:
+        yield
+    finally:
+        engine._step.backward, engine._phase = None, Phase.IDLE

@@ -90,6 +90,67 @@ def test_the_schedules_cannot_deadlock(schedule, chunks):
         assert at == [len(x) for x in lists], (stages, micro, schedule, at)
 
 
+def _v_needs(action, s: int, stages: int):
+    """As _needs, with two chunks placed as a V and split backwards: the action (of any
+    stage, this one included) it waits for."""
+    kind, i, c = action
+    part = s if c == 0 else 2 * stages - 1 - s
+
+    def at(kind, part):
+        return (part if part < stages else 2 * stages - 1 - part, kind, i,
+                0 if part < stages else 1)
+    if kind == "F":
+        return at("F", part - 1) if part else None
+    if kind == "W":
+        return at("B", part)
+    return at("F", part) if part == 2 * stages - 1 else at("B", part + 1)
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (4, 16), (3, 6), (4, 3), (2, 1)])
+def test_zbv_runs_each_half_once_within_1f1b_memory_and_cannot_deadlock(stages, micro):
+    """Every (micro-batch, chunk) once as F, B and W, in that order, per part in micro-batch
+    order; at most 2 x stages chunk activations alive (1F1B's peak); simulated with blocking
+    receives every stage finishes; the idle share is far below 1F1B's."""
+    lists = [train_actions(s, stages, micro, "zbv", chunks=2) for s in range(stages)]
+    for actions in lists:
+        for kind in "FBW":
+            for c in (0, 1):
+                assert [a[1] for a in actions if a[0] == kind and a[2] == c] == list(range(micro))
+        for i in range(micro):
+            for c in (0, 1):
+                assert actions.index(("F", i, c)) < actions.index(("B", i, c)) \
+                    < actions.index(("W", i, c))
+        alive = peak = 0
+        for kind, *_ in actions:
+            alive += {"F": 1, "B": 0, "W": -1}[kind]
+            peak = max(peak, alive)
+        assert peak <= 2 * stages
+    at, done, progress = [0] * stages, set(), True
+    while progress:
+        progress = False
+        for s in range(stages):
+            if at[s] < len(lists[s]):
+                action = lists[s][at[s]]
+                need = _v_needs(action, s, stages)
+                if need is None or need in done:
+                    done.add((s, *action))
+                    at[s] += 1
+                    progress = True
+    assert at == [len(x) for x in lists]
+    if micro >= 2 * stages:
+        assert bubble_fraction(stages, micro, schedule="zbv") < \
+            bubble_fraction(stages, micro) / 3
+
+
+def test_zbv_on_two_stages_and_its_bubble():
+    assert train_actions(1, 2, 4, "zbv", chunks=2)[:8] == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("B", 0, 1), ("B", 0, 0),
+        ("W", 0, 1), ("F", 2, 0)]
+    assert bubble_fraction(4, 8, schedule="zbv") == pytest.approx(3 / 51)
+    with pytest.raises(ValueError, match="virtual_stages=2, chunk_placement=\"v\""):
+        train_actions(0, 2, 4, "zbv")
+
+
 def test_interleaved_runs_each_chunk_of_each_micro_batch_once_each_way():
     actions = train_actions(1, 2, 4, "interleaved", chunks=2)
     assert sorted(a for a in actions if a[0] == "F") == [

@@ -112,6 +112,10 @@ class PipelineModule(nn.Module):
             ``pipeline.schedule: "interleaved"``): the layers are cut into
             ``num_stages * virtual_stages`` parts and stage s holds parts s, s + num_stages,
             ... (1: one contiguous run of layers per stage, DeepSpeed's).
+        chunk_placement: ``"loop"`` (the parts go round the stages, as above) or ``"v"``: two
+            virtual stages placed as a V, stage s holding parts s and ``2 num_stages - 1 - s``
+            (the first stage holds the first and the last layers), which the ``zbv`` schedule
+            runs.
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None,
@@ -121,7 +125,7 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable = _checkpoint,
                  checkpointable_layers: Optional[List[str]] = None, dynamic_shape: bool = False,
-                 virtual_stages: int = 1):
+                 virtual_stages: int = 1, chunk_placement: str = "loop"):
         super().__init__()
         world, rank = comm.get_world_size(), comm.get_rank()
         self._topo = _topology(num_stages, topology, world)
@@ -155,11 +159,17 @@ class PipelineModule(nn.Module):
         if virtual_stages > 1 and self.num_stages < 2:
             raise ValueError("virtual_stages > 1 interleaves chunks of layers over pipeline "
                              "stages: it needs num_stages >= 2.")
-        self.virtual_stages = virtual_stages
+        if chunk_placement not in ("loop", "v"):
+            raise ValueError(f"chunk_placement must be 'loop' or 'v', got {chunk_placement!r}.")
+        if chunk_placement == "v" and virtual_stages != 2:
+            raise ValueError(f"chunk_placement='v' places two chunks per stage as a V: set "
+                             f"virtual_stages=2 (got {virtual_stages}).")
+        self.virtual_stages, self.chunk_placement = virtual_stages, chunk_placement
         self.parts = self._partition(partition_method)
-        #: this stage's runs of layers, one per virtual stage: parts s, s + P, s + 2P, ...
-        self.chunk_ranges = [(self.parts[self.stage_id + c * self.num_stages],
-                              self.parts[self.stage_id + c * self.num_stages + 1])
+        #: this stage's runs of layers, one per virtual stage (parts s, s + P, s + 2P, ...; as
+        #: a V, parts s and 2P - 1 - s)
+        self.chunk_ranges = [(self.parts[self.part_of(self.stage_id, c)],
+                              self.parts[self.part_of(self.stage_id, c) + 1])
                              for c in range(virtual_stages)]
         self._local_start, self._local_stop = self.chunk_ranges[0]
         self.forward_funcs: List[Callable] = []
@@ -295,15 +305,28 @@ class PipelineModule(nn.Module):
 
     def partitions(self) -> List[int]:
         """The layer boundaries: part k is layers ``parts[k]`` to ``parts[k + 1] - 1``, held by
-        stage ``k % num_stages`` (with one virtual stage, part s is stage s)."""
+        stage :meth:`place` ``(k)[0]`` (with one virtual stage, part s is stage s)."""
         return list(self.parts)
+
+    def part_of(self, stage: int, chunk: int) -> int:
+        """The part of the model that ``stage`` holds as its ``chunk``."""
+        if self.chunk_placement == "v" and chunk == 1:
+            return 2 * self.num_stages - 1 - stage
+        return stage + chunk * self.num_stages
+
+    def place(self, part: int) -> tuple:
+        """``(stage, chunk)`` holding ``part`` of the model."""
+        chunk, stage = divmod(part, self.num_stages)
+        if self.chunk_placement == "v" and chunk == 1:
+            stage = self.num_stages - 1 - stage
+        return stage, chunk
 
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < self._num_layers:
             raise IndexError(f"layer {layer_idx} is outside 0..{self._num_layers - 1}.")
         for part in range(len(self.parts) - 1):
             if self.parts[part] <= layer_idx < self.parts[part + 1]:
-                return part % self.num_stages
+                return self.place(part)[0]
         raise AssertionError(f"layer {layer_idx} has no stage in {self.parts}")
 
     def topology(self) -> ProcessTopology:

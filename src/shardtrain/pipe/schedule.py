@@ -20,16 +20,31 @@ and forwards go in groups of ``stages`` micro-batches through chunk 0, then chun
 stages`` forwards ahead, then one forward and one backward in turn. The idle share falls to
 ``(stages - 1) / (V micro_batches + stages - 1)``, for V times the sends; the micro-batches
 must be a multiple of the stages.
+
+``zbv`` (zero bubble, V-shaped, after Qi et al., "Zero Bubble Pipeline Parallelism"): each
+rank holds two chunks placed as a V (stage s: parts s and ``2 stages - 1 - s``, so the first
+stage also computes the loss), and a backward is split in two: ``("B", i, c)`` computes only
+the gradient of the chunk's input, which the chunk before waits for, and ``("W", i, c)`` its
+weights' gradients, which nobody waits for and which fill what would be bubbles. The order
+comes from a simulation with equal forward, input-backward and weight-backward times in
+which each idle rank runs the first ready of: an input backward, a forward (while fewer than
+``2 stages`` chunk activations are alive, 1F1B's peak), a weight backward. The idle share is
+the simulation's (:func:`bubble_fraction`): 0.059 on 4 stages and 8 micro-batches, against
+0.273 for 1F1B.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from functools import lru_cache
+from typing import Dict, List, Tuple
 
 __all__ = ["SCHEDULES", "train_actions", "eval_actions", "bubble_fraction"]
 
-Action = Tuple  # ("F" or "B", micro-batch) or, interleaved, ("F" or "B", micro-batch, chunk)
+Action = Tuple  # ("F" or "B", micro-batch) or, with chunks, ("F", "B" or "W", micro-batch, chunk)
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
+
+#: the schedules that split a backward into its input ("B") and weight ("W") halves
+SPLIT_BACKWARD = ("zbv",)
 
 
 def _check(stage: int, stages: int, micro_batches: int) -> None:
@@ -46,6 +61,11 @@ def train_actions(stage: int, stages: int, micro_batches: int,
     _check(stage, stages, micro_batches)
     if schedule == "interleaved":
         return _interleaved(stage, stages, micro_batches, chunks)
+    if schedule == "zbv":
+        if chunks != 2:
+            raise ValueError("the 'zbv' schedule runs two chunks per rank placed as a V: build "
+                             "the PipelineModule with virtual_stages=2, chunk_placement=\"v\".")
+        return list(_zbv(stages, micro_batches)[0][stage])
     if chunks != 1:
         raise ValueError(f"{chunks} virtual stages per rank run the 'interleaved' schedule, "
                          f"not {schedule!r}: set pipeline.schedule to \"interleaved\".")
@@ -85,6 +105,62 @@ def _interleaved(stage: int, stages: int, micro_batches: int, chunks: int) -> Li
     return actions
 
 
+@lru_cache(maxsize=32)
+def _zbv(stages: int, micro_batches: int) -> Tuple[Tuple[Tuple[Action, ...], ...], int]:
+    """Every stage's actions and the length of the step, in action times, from the
+    simulation the module docstring describes."""
+    parts = 2 * stages
+
+    def rank(part: int) -> int:
+        return part if part < stages else parts - 1 - part
+
+    def chunk(part: int) -> int:
+        return 0 if part < stages else 1
+
+    mine = [[k for k in range(parts) if rank(k) == r] for r in range(stages)]
+    finished: Dict[Tuple[str, int, int], int] = {}  # (kind, micro-batch, part) -> end time
+    following = {kind: [0] * parts for kind in "FBW"}  # each part's next micro-batch
+    alive, free_at = [0] * stages, [0] * stages
+    lists: List[List[Action]] = [[] for _ in range(stages)]
+    left, now = 3 * parts * micro_batches, 0
+
+    def done(kind: str, i: int, part: int) -> bool:
+        return finished.get((kind, i, part), now + 1) <= now
+
+    def ready(kind: str, part: int) -> bool:
+        i = following[kind][part]
+        if i >= micro_batches:
+            return False
+        if kind == "F":
+            return part == 0 or done("F", i, part - 1)
+        if kind == "B":
+            return done("F", i, part) and (part == parts - 1 or done("B", i, part + 1))
+        return done("B", i, part)
+
+    while left:
+        for r in range(stages):
+            if free_at[r] > now:
+                continue
+            for kind in "BFW":
+                if kind == "F" and alive[r] >= parts:
+                    continue
+                # the oldest micro-batch first, then the part nearer the loss
+                options = [(following[kind][k], -k) for k in mine[r] if ready(kind, k)]
+                if options:
+                    i, part = min(options)[0], -min(options)[1]
+                    break
+            else:
+                continue
+            finished[kind, i, part] = now + 1
+            free_at[r] = now + 1
+            following[kind][part] += 1
+            alive[r] += {"F": 1, "B": 0, "W": -1}[kind]
+            lists[r].append((kind, i, chunk(part)))
+            left -= 1
+        now += 1
+    return tuple(tuple(x) for x in lists), max(finished.values())
+
+
 def eval_actions(micro_batches: int, chunks: int = 1) -> List[Action]:
     """Evaluation: forwards only, in order, on every stage (each chunk in turn with virtual
     stages: a micro-batch's chunk c needs the last stage's chunk c - 1)."""
@@ -93,7 +169,11 @@ def eval_actions(micro_batches: int, chunks: int = 1) -> List[Action]:
     return [("F", i, c) for c in range(chunks) for i in range(micro_batches)]
 
 
-def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """The share of a step each stage idles with equal stage times: 1F1B and GPipe, and the
-    interleaved schedule with ``chunks`` virtual stages per rank."""
+def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1,
+                    schedule: str = "1f1b") -> float:
+    """The share of a step each stage idles with equal stage times: 1F1B and GPipe, the
+    interleaved schedule with ``chunks`` virtual stages per rank, and ``zbv`` (its
+    simulation's, with equal forward, input-backward and weight-backward times)."""
+    if schedule == "zbv":
+        return 1 - 6 * micro_batches / _zbv(stages, micro_batches)[1]
     return (stages - 1) / (chunks * micro_batches + stages - 1)
