@@ -137,21 +137,28 @@ def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b"
     return case
 
 
-def case_16bit(kind: str) -> Callable[[int, int], Dict[str, Any]]:
+def case_16bit(kind: str, v: bool = False) -> Callable[[int, int], Dict[str, Any]]:
     """bf16 or fp16 (loss-scaled: the last stage scales its loss, the other stages' gradients
-    arrive scaled) with fp32 masters at ZeRO-1 on pp2 x dp2, against fp32 in one process."""
+    arrive scaled) with fp32 masters at ZeRO-1 on pp2 x dp2, against fp32 in one process
+    (``v``: the zero-bubble V, whose input halves start from the scaled loss)."""
     def case(rank: int, world: int) -> Dict[str, Any]:
-        module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+        module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True,
+                                virtual_stages=2 if v else 1, chunk_placement="v" if v else "loop")
         block = {"enabled": True} if kind == "bf16" else {"enabled": True, "initial_scale_power": 8}
-        engine, *_ = shardtrain.initialize(model=module, config=config(4, 1, **{kind: block}))
+        engine, *_ = shardtrain.initialize(model=module, config=config(
+            4, 1, **{kind: block}, pipeline={"schedule": "zbv" if v else "1f1b"}))
         data = batches(2, 4)
         replica = engine.mesh.coordinate()["dp"]
-        losses = [float(engine.train_batch(iter(step[replica]))) for step in data]
+        losses, norms = [], []
+        for step in data:
+            losses.append(float(engine.train_batch(iter(step[replica]))))
+            norms.append(float(engine.get_global_grad_norm()))
         dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
         scale = engine.get_loss_scale()
         engine.destroy()
-        return {"losses": losses, "ref": one_process(specs(), data, 1.0)[0], "dtypes": dtypes,
-                "scale": scale}
+        ref_losses, ref_norms, _ = one_process(specs(), data, 1.0)
+        return {"losses": losses, "ref": ref_losses, "norms": norms, "ref_norms": ref_norms,
+                "dtypes": dtypes, "scale": scale}
     return case
 
 
@@ -468,6 +475,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         # AutoTP splits each Block's fc (column) and out (row) over a stage's two ranks
         "pp2_tp2_s1": case_train(2, 1, topology=_tp2, extra={"tensor_parallel": TP_BLOCKS}),
         "bf16": case_16bit("bf16"), "fp16": case_16bit("fp16"), "eval": case_eval,
+        "fp16_zbv": case_16bit("fp16", v=True),
         "eval_v": lambda rank, world: case_eval(rank, world, v=True),
         "deepspeed_example": case_deepspeed_example,
         "deepspeed_s0": case_deepspeeds_losses(0), "deepspeed_s1": case_deepspeeds_losses(1),

@@ -96,12 +96,14 @@ def test_stages_hold_their_layers_under_global_names_and_the_formulas_bytes(run)
             assert got["bytes"]["total"] == pytest.approx(formula, rel=0.02), (name, rank)
 
 
-@pytest.mark.parametrize("kind,dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
+@pytest.mark.parametrize("kind,dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16"),
+                                        ("fp16_zbv", "torch.float16")])
 def test_16_bit_pipelines_stay_near_fp32(run, kind, dtype):
     for rank in range(4):
         got = result(run, kind, rank)
         assert got["dtypes"] == [dtype]
         assert got["losses"] == pytest.approx(got["ref"], rel=1e-2)
+        assert got["norms"] == pytest.approx(got["ref_norms"], rel=2e-2)  # unscaled
         assert got["scale"] == (1.0 if kind == "bf16" else 256.0)
 
 
