@@ -8,8 +8,9 @@ sends its own copy to its partner of the next stage, so both are accepted and ch
 ``partition`` (the module's own ``partition_method`` decides; DeepSpeed's engine does not read
 it either), ``seed_layers``, and ``stages``: the module's ``num_stages`` decides, and
 ``initialize`` splits a Hugging Face causal LM given whole into that many stages. Ours: ``schedule``, the order
-in which each stage runs its micro-batches (``"1f1b"``, DeepSpeed's, ``"gpipe"``, or
-``"interleaved"`` for a module built with ``virtual_stages`` > 1).
+in which each stage runs its micro-batches (``"1f1b"``, DeepSpeed's, ``"gpipe"``,
+``"interleaved"`` for a module built with ``virtual_stages`` > 1, or ``"zbv"``, the
+zero-bubble V, for one built with ``virtual_stages=2, chunk_placement="v"``).
 """
 from __future__ import annotations
 
