@@ -1,30 +1,38 @@
 """Pipeline parallelism: shardtrain's ``PipelineEngine`` and ``torch.distributed.pipelining``
-driving the same split of the same model, side by side in one run: step time, the share of a
-step each stage idles against the theoretical bubble, the bytes each rank sends per step
-against the analytic volume, and the activations each stage keeps at its peak.
+driving the same split of the same model, side by side in one run, for three schedules
+(1F1B, GPipe and the zero-bubble V): step time, the share of a step each stage idles against
+the schedule's theoretical bubble, the bytes each rank sends per step against the analytic
+volume, and the activations each stage keeps at its peak.
 
 The model: an embedding (vocabulary V, width H), L blocks ``x + W2(gelu(W1(LayerNorm(x))))``
-(W1: H -> 4H) and a head (LayerNorm, then H -> V) with the cross-entropy on the last stage.
-It is cut into P stages with ``partition_method="type:Block"`` (the blocks shared out evenly,
-the embedding on the first stage and the head on the last), on W ranks (gloo, CPU, one torch
-thread each; ``W / P`` data-parallel replicas). A step is M micro-batches of B rows of T
-tokens per replica, then AdamW (lr 1e-3, no weight decay, no clipping).
+(W1: H -> 4H) and a head (LayerNorm, then H -> V) with the cross-entropy. For 1F1B and GPipe
+it is cut into P stages with ``partition_method="type:Block"`` (the blocks shared out evenly,
+the embedding on the first stage, the head and the loss on the last); for the zero-bubble V
+into 2P parts the same way (``virtual_stages=2, chunk_placement="v"``: L >= 2P), stage s
+holding parts s (its chunk 0) and 2P - 1 - s (its chunk 1), so stage 0 holds the embedding
+and the head and computes the loss, and stage P - 1 hands its chunk 0's output to its own
+chunk 1 without a send. The ranks: W (gloo, CPU, one torch thread each; ``W / P``
+data-parallel replicas). A step is M micro-batches of B rows of T tokens per replica, then
+AdamW (lr 1e-3, no weight decay, no clipping).
 
-Four setups run in the same processes, one step each in turn (the order rotating every
+Six setups run in the same processes, one step each in turn (the order rotating every
 round, a barrier before every step), so drift on a shared machine hits all of them alike:
 
-* ``shardtrain 1f1b`` and ``shardtrain gpipe``: ``shardtrain.initialize`` on a
-  ``PipelineModule(..., seed_layers=True)`` with ``"pipeline": {"schedule": ...}``,
-  ``engine.train_batch(iterator of M (inputs, labels))``;
-* ``torch 1f1b`` and ``torch gpipe``: the same layers built with the same seeds (checked equal
-  to the engine's, weight for weight) in a plain module per stage, wrapped in
-  ``torch.distributed.pipelining.PipelineStage`` and driven by ``Schedule1F1B`` /
-  ``ScheduleGPipe`` (``step(x)`` on the first stage, ``step(target=y, losses=...)`` on the
-  last, the same loss function, gradients scaled by 1/M), gradients averaged over the
-  replicas by ``all_reduce`` when there are several, then ``torch.optim.AdamW``.
+* ``shardtrain 1f1b``, ``shardtrain gpipe`` and ``shardtrain zbv``: ``shardtrain.initialize``
+  on a ``PipelineModule(..., seed_layers=True)`` (two chunks placed as a V for zbv) with
+  ``"pipeline": {"schedule": ...}``, ``engine.train_batch(iterator of M (inputs, labels))``;
+* ``torch 1f1b``, ``torch gpipe`` and ``torch zbv``: the same layers built with the same seeds
+  (checked equal to the engine's of the same schedule, weight for weight) in a plain module
+  per part, each wrapped in ``torch.distributed.pipelining.PipelineStage`` (stage index = the
+  part; two per rank for zbv, parts s and 2P - 1 - s of 2P) and driven by ``Schedule1F1B``,
+  ``ScheduleGPipe`` or ``ScheduleZBVZeroBubble`` (``step(x)`` on the rank holding the first
+  part, ``step(target=y, losses=...)`` on the rank holding the last: one call with both on
+  stage 0 in a V; the same loss function, gradients scaled by 1/M), gradients averaged over
+  the replicas by ``all_reduce`` when there are several, then ``torch.optim.AdamW``.
 
 Every setup starts from the same weights and reads the same batches, so their losses agree;
-the first step's loss (no update yet) must agree to rounding.
+the first step's loss (no update yet) must agree to rounding between the two engines of a
+schedule.
 
 What is measured, per rank and per step (the first step of each setup is a warm-up, not
 counted; figures are medians over the timed steps, per stage the mean over replicas):
@@ -36,9 +44,12 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   ``schedule.step()``; for shardtrain from entering ``train_batch`` to the end of waiting for
   its last sends (the engine's private ``_Run.finish``, wrapped in this process only).
 * **busy**: time in the stage's own forward and backward compute: for shardtrain the engine's
-  per-micro-batch ``_Run.forward`` (the stage's layers, and the loss on the last stage) and
-  ``_Run.backward``, less the time spent inside them in ``recv_tensors``; for torch the stage's
-  ``forward_one_chunk``, ``backward_one_chunk`` and the schedule's loss computation.
+  per-micro-batch ``_Run.forward`` (a chunk's layers, and the loss in the last part),
+  ``_Run.backward`` and, for zbv, the two halves of a split backward,
+  ``_Run.input_backward`` and ``_Run.weight_backward``, less the time spent inside them in
+  ``recv_tensors``; for torch each stage object's ``forward_one_chunk``,
+  ``backward_one_chunk`` (whole, or the input half) and ``backward_weight_one_chunk``, and the
+  schedule's loss computation.
 * **idle** = ``1 - busy / span``: everything in the span that is not the stage's compute:
   waiting for a neighbour (the bubble), and the bookkeeping around the compute (issuing sends,
   allocating receive buffers; for torch also splitting the batch into micro-batches, merging
@@ -46,10 +57,13 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   spent blocked in receives and send completions alone (shardtrain:
   ``pipeline_engine.recv_tensors`` and ``_Run.finish``; torch: ``schedules._wait_batch_p2p``).
   All of these are wall-clock times, so time a rank spends descheduled counts where it falls.
-  The theoretical bubble of both schedules is ``(P - 1) / (M + P - 1)``: every stage idles
-  ``P - 1`` of ``M + P - 1`` slots of one forward and backward, with equal stage times and free
-  communication. Here the ranks share 2 cores, so a stage's compute is slower while the
-  others compute and faster while they idle, and the measured idle departs from the theory.
+  The theoretical bubble, printed per schedule: ``(P - 1) / (M + P - 1)`` for 1F1B and GPipe
+  (every stage idles ``P - 1`` of ``M + P - 1`` slots of one forward and backward, with equal
+  stage times and free communication); for zbv ``shardtrain.pipe.bubble_fraction(P, M,
+  schedule="zbv")``, the idle share of the simulation shardtrain's zbv order comes from
+  (equal forward, input-backward and weight-backward times; torch's ZBV order is its own).
+  Here the ranks share 2 cores, so a stage's compute is slower while the others compute and
+  faster while they idle, and the measured idle departs from the theory.
 
 * **bytes sent per rank per step**: shardtrain: the sizes of the tensors handed to
   ``shardtrain.comm.send`` (a ``comm.add_observer``); torch: the tensors of the ``isend``
@@ -59,22 +73,31 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   ``4 B T H`` bytes each (fp32); shardtrain adds to each message its 64-int64 header (512
   bytes) saying the dtype and shape of what follows:
   ``M * (not last + not first) * (4 B T H + 512)`` bytes (torch: without the 512; its shapes
-  are agreed once, on its first step). The other collectives (the loss, the norm) are counted
-  apart.
+  are agreed once, on its first step). zbv sends twice that: chunk 0's output forward and
+  chunk 1's input gradient back unless s = P - 1 (the turn of the V, local), chunk 1's output
+  forward and chunk 0's input gradient back unless s = 0 (the loss and the data are there):
+  ``M * 2 * (not last + not first) * (4 B T H + 512)``. The other collectives (the loss, the
+  norm) are counted apart.
 
-* **peak activation memory per stage**: the most micro-batches whose activations a stage
-  keeps alive at once (forwards run minus backwards run, counted while the schedule runs, on
-  each engine, next to the count the schedule implies: ``min(P - s, M)`` for 1F1B at stage s,
-  ``M`` for GPipe) times the bytes one micro-batch keeps on that stage: the tensors autograd
-  saves for backward in one forward of the stage's layers (and the loss on the last stage),
-  counted with ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters
-  left out), plus the stage's output held until its gradient comes back (not the last stage).
-  This is the CPU stand-in: the CPU has no allocator peak to read; on CUDA one would read
+* **peak activation memory per stage**: the bytes one micro-batch keeps in each part of the
+  model (the tensors autograd saves for backward in one forward of the part's layers, and the
+  loss in the last part, counted with ``torch.autograd.graph.saved_tensors_hooks``: distinct
+  storages, parameters left out; plus the part's output held until its gradient comes back
+  when the next part is on another rank: the output handed to the next chunk on the same rank
+  is that chunk's saved input, counted there once), summed over the (micro-batch, chunk) pairs
+  alive at once on the stage, at its most. A pair is alive from its forward to its whole
+  backward, or, when the backward is split (zbv), to its weight half: between the two halves
+  part of what it saved is already free, so for zbv the figure is an upper bound. Counted
+  while the schedule runs, on each engine (the most pairs alive and the most bytes), next to
+  what the schedule's own action list implies (shardtrain's lists; torch's ZBV
+  ``pipeline_order``; 1F1B: ``min(P - s, M)`` at stage s, GPipe ``M``). This is the CPU
+  stand-in: the CPU has no allocator peak to read; on CUDA one would read
   ``torch.cuda.max_memory_allocated`` over the step instead.
 
 torch's pipelining runs on gloo and the CPU as is in torch 2.13 (shapes inferred on the first
-step, then ``isend``/``irecv``). Should one of its schedules fail to build or to step here, the
-run reports the error in its place instead of stopping (``Schedule1F1B`` wants M >= P).
+step, then ``isend``/``irecv``), ``ScheduleZBVZeroBubble`` included. Should one of its
+schedules fail to build or to step here, the run reports the error in its place instead of
+stopping (``Schedule1F1B`` wants M >= P).
 
     python benchmarks/bench_pipe.py                     # 4 ranks, 4 stages, 8 micro-batches
     python benchmarks/bench_pipe.py --tiny              # the smoke run: 2 ranks, seconds
@@ -83,12 +106,13 @@ run reports the error in its place instead of stopping (``Schedule1F1B`` wants M
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -96,7 +120,8 @@ from torch import nn
 from _ranks import run_ranks  # noqa: E402  (next to this file)
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zbv")
+SPLIT = ("zbv",)  # the schedules that split a backward into its input and weight halves
 HEADER_BYTES = 64 * 8  # shardtrain's header before each message: 64 int64 words
 BASE_SEED = 1234  # PipelineModule's default base_seed: layer i is built after seeding 1234 + i
 DATA_SEED = 3
@@ -122,12 +147,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.world, args.stages, args.micro_batches, args.batch = 2, 2, 4, 2
-        args.seq, args.hidden, args.layers, args.vocab, args.steps = 8, 16, 2, 32, 2
+        args.seq, args.hidden, args.layers, args.vocab, args.steps = 8, 16, 4, 32, 2
     args.stages = args.stages or args.world
     if args.stages < 2 or args.world % args.stages:
         p.error(f"--stages must be at least 2 and divide --world {args.world}")
-    if args.layers < args.stages:
-        p.error(f"--layers {args.layers} gives a stage no block with {args.stages} stages")
+    if args.layers < 2 * args.stages:
+        p.error(f"--layers {args.layers}: zbv cuts the blocks into 2 x {args.stages} parts (two "
+                f"chunks a stage), one block at least each: give --layers {2 * args.stages} "
+                f"or more")
     return args
 
 
@@ -193,10 +220,11 @@ class StageLayers(nn.Module):
         return x
 
 
-def saved_bytes_per_micro_batch(module: nn.Module, first: bool, last: bool, args) -> int:
-    """The bytes one micro-batch keeps alive on this stage until its backward: what autograd
-    saves in one forward (distinct storages, parameters left out; the loss's on the last
-    stage), plus the output the stage holds until its gradient arrives (not the last)."""
+def saved_bytes_per_micro_batch(module: nn.Module, args, first: bool, last: bool,
+                                holds_output: bool) -> int:
+    """The bytes one micro-batch keeps alive in this part of the model until its backward:
+    what autograd saves in one forward (distinct storages, parameters left out; the loss's
+    in the last part), plus the output held until its gradient arrives (``holds_output``)."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: Dict[int, int] = {}
 
@@ -214,18 +242,31 @@ def saved_bytes_per_micro_batch(module: nn.Module, first: bool, last: bool, args
         out = module(x)
         if last:
             out = lm_loss(out, torch.randint(0, args.vocab, shape, generator=g))
-    if not last:
+    if holds_output:
         seen[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
     return sum(seen.values())
 
 
-def schedule_in_flight(stage: int, stages: int, micro: int, schedule: str) -> int:
-    """The most micro-batches alive at once on ``stage`` in shardtrain's action list."""
-    from shardtrain.pipe import train_actions
-    alive = peak = 0
-    for kind, _ in train_actions(stage, stages, micro, schedule):
-        alive += 1 if kind == "F" else -1
-        peak = max(peak, alive)
+def part_saved_bytes(args, parts: List[int], part: int, mine: List[int]) -> int:
+    """:func:`saved_bytes_per_micro_batch` of ``part`` of the model cut at ``parts``, on the
+    rank holding the parts ``mine``. An output handed to the next part on the same rank (the
+    turn of a V) is that part's input, which its first LayerNorm saves: counted there once."""
+    total = len(parts) - 1
+    module = StageLayers(layer_specs(args), parts[part], parts[part + 1])
+    return saved_bytes_per_micro_batch(module, args, first=part == 0, last=part == total - 1,
+                                       holds_output=part + 1 < total and part + 1 not in mine)
+
+
+def planned_peak(actions: List[tuple], chunk_bytes: List[int]) -> List[int]:
+    """``[most chunk activations alive at once, most bytes alive at once]`` in a list of
+    ``(kind, micro-batch, chunk)``: "F" a forward (+1), "B" a whole backward (-1), "I" a
+    backward's input half (activations kept for the weight half), "W" its weight half (-1)."""
+    alive = [0] * len(chunk_bytes)
+    peak = [0, 0]
+    for kind, _, chunk in actions:
+        alive[chunk] += {"F": 1, "B": -1, "I": 0, "W": -1}[kind]
+        peak = [max(peak[0], sum(alive)),
+                max(peak[1], sum(n * b for n, b in zip(alive, chunk_bytes)))]
     return peak
 
 
@@ -246,21 +287,31 @@ class Probe:
     :meth:`install` puts around the engines' functions in this process."""
 
     def __init__(self):
-        self.rec: Optional[Dict[str, float]] = None
+        self.rec: Optional[Dict[str, Any]] = None
+        self.chunk_bytes: List[int] = []
 
-    def start(self) -> Dict[str, float]:
-        self.rec = {"busy": 0.0, "wait": 0.0, "alive": 0, "in_flight": 0, "sent": 0,
-                    "other": 0, "span_end": 0.0}
+    def start(self, chunk_bytes: List[int]) -> Dict[str, Any]:
+        """A step's record; ``chunk_bytes``: what one micro-batch keeps alive in each of this
+        rank's chunks of layers (one chunk but with zbv)."""
+        self.chunk_bytes = chunk_bytes
+        self.rec = {"busy": 0.0, "wait": 0.0, "alive": [0] * len(chunk_bytes), "in_flight": 0,
+                    "peak_bytes": 0, "sent": 0, "other": 0, "span_end": 0.0}
         return self.rec
 
     def add(self, key: str, value: float) -> None:
         if self.rec is not None:
             self.rec[key] += value
 
-    def alive(self, change: int) -> None:
-        if self.rec is not None:
-            self.rec["alive"] += change
-            self.rec["in_flight"] = max(self.rec["in_flight"], self.rec["alive"])
+    def alive(self, change: int, chunk: int) -> None:
+        """``change`` to the micro-batches whose activations ``chunk`` keeps; the peaks of
+        their count and of their bytes, over the rank's chunks together."""
+        rec = self.rec
+        if rec is None or not change:
+            return
+        rec["alive"][chunk] += change
+        rec["in_flight"] = max(rec["in_flight"], sum(rec["alive"]))
+        held = sum(n * b for n, b in zip(rec["alive"], self.chunk_bytes))
+        rec["peak_bytes"] = max(rec["peak_bytes"], held)
 
     def observe(self, op: str, tensor: torch.Tensor, group) -> None:
         """shardtrain's comm observer: bytes handed to sends, and to every other collective
@@ -278,9 +329,12 @@ class Probe:
                 self.add("wait", time.perf_counter() - start)
         return wrapper
 
-    def _timed_compute(self, fn, change: int):
-        """``fn`` counted as compute, less the waits inside it; ``change`` to the micro-batches
-        alive (+1 a training forward, -1 a backward)."""
+    def _timed_compute(self, fn, effect: Callable[[Dict[str, Any]], tuple]):
+        """``fn`` counted as compute, less the waits inside it; ``effect(its arguments by
+        name)`` gives ``(change, chunk)``: the change to the micro-batches alive in that chunk
+        (+1 a training forward, -1 a whole backward or a weight half, 0 an input half)."""
+        signature = inspect.signature(fn)
+
         def wrapper(*a, **k):
             rec = self.rec
             waited = rec["wait"] if rec is not None else 0.0
@@ -290,10 +344,9 @@ class Probe:
             finally:
                 if rec is not None:
                     rec["busy"] += time.perf_counter() - start - (rec["wait"] - waited)
-                    if change > 0 and k.get("grad", True):  # not an evaluation forward
-                        self.alive(1)
-                    elif change < 0:
-                        self.alive(-1)
+                    bound = signature.bind(*a, **k)
+                    bound.apply_defaults()
+                    self.alive(*effect(bound.arguments))
         return wrapper
 
     def install(self) -> None:
@@ -304,8 +357,11 @@ class Probe:
         comm.add_observer(self.observe, with_group=True)
         pipeline_engine.recv_tensors = self._timed_wait(pipeline_engine.recv_tensors)
         run = pipeline_engine._Run
-        run.forward = self._timed_compute(run.forward, +1)
-        run.backward = self._timed_compute(run.backward, -1)
+        run.forward = self._timed_compute(run.forward, lambda a: (int(a["grad"]), a["chunk"]))
+        run.backward = self._timed_compute(run.backward, lambda a: (-1, a["chunk"]))
+        run.input_backward = self._timed_compute(run.input_backward, lambda a: (0, a["chunk"]))
+        run.weight_backward = self._timed_compute(run.weight_backward,
+                                                  lambda a: (-1, a["chunk"]))
         finish = run.finish
 
         def finished(run_self):
@@ -328,12 +384,20 @@ class Probe:
             return batch_p2p(ops, *a, **k)
         torch_schedules._batch_p2p = counted
 
-    def wrap_torch_stage(self, stage, schedule) -> None:
-        """torch's per-micro-batch compute: the stage's forward and backward of one chunk and
-        the schedule's loss, on these objects only."""
-        stage.forward_one_chunk = self._timed_compute(stage.forward_one_chunk, +1)
-        stage.backward_one_chunk = self._timed_compute(stage.backward_one_chunk, -1)
-        schedule._maybe_compute_loss = self._timed_compute(schedule._maybe_compute_loss, 0)
+    def wrap_torch_stage(self, stage, chunk: int) -> None:
+        """torch's per-micro-batch compute of one stage object (``chunk`` of this rank): its
+        forward, its backward (whole, or the input half) and its weight half."""
+        stage.forward_one_chunk = self._timed_compute(stage.forward_one_chunk,
+                                                      lambda a: (1, chunk))
+        stage.backward_one_chunk = self._timed_compute(
+            stage.backward_one_chunk, lambda a: (-1 if a["full_backward"] else 0, chunk))
+        stage.backward_weight_one_chunk = self._timed_compute(stage.backward_weight_one_chunk,
+                                                              lambda a: (-1, chunk))
+
+    def wrap_torch_loss(self, schedule) -> None:
+        """torch's loss, computed by the schedule after the last stage's forward."""
+        schedule._maybe_compute_loss = self._timed_compute(schedule._maybe_compute_loss,
+                                                           lambda a: (0, 0))
 
 
 # -- the setups --------------------------------------------------------------------------------
@@ -344,9 +408,11 @@ class ShardtrainSetup:
         from shardtrain.pipe import PipelineModule
         self.name, self.engine_name, self.schedule = f"shardtrain {schedule}", "shardtrain", schedule
         self.probe = probe
+        chunks = 2 if schedule == "zbv" else 1
         module = PipelineModule(layer_specs(args), num_stages=args.stages, loss_fn=lm_loss,
                                 seed_layers=True, base_seed=BASE_SEED,
-                                partition_method="type:Block")
+                                partition_method="type:Block", virtual_stages=chunks,
+                                chunk_placement="v" if chunks == 2 else "loop")
         config = {"train_micro_batch_size_per_gpu": args.batch,
                   "gradient_accumulation_steps": args.micro_batches,
                   "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
@@ -355,7 +421,20 @@ class ShardtrainSetup:
                   "pipeline": {"schedule": schedule}}
         self.engine, *_ = shardtrain.initialize(model=module, config=config)
         self.parts = module.partitions()
+        self.stage_id = self.engine.stage_id
+        #: the parts of the model this rank holds, in the order of its chunks
+        self.part_ids = [module.part_of(self.stage_id, c) for c in range(chunks)]
         self.replica = self.engine.mesh.coordinate()["dp"]
+        self.chunk_bytes: List[int] = []
+
+    def actions(self) -> List[tuple]:
+        """This rank's action list as ``(kind, micro-batch, chunk)`` (see :func:`planned_peak`)."""
+        from shardtrain.pipe import train_actions
+        split = self.schedule in SPLIT
+        listed = train_actions(self.stage_id, self.engine.num_stages, self.engine.micro_batches,
+                               self.schedule, chunks=len(self.part_ids))
+        return [("I" if kind == "B" and split else kind, i, *(chunk or [0]))
+                for kind, i, *chunk in listed]
 
     def step(self, data) -> float:
         rec = self.probe.rec
@@ -371,39 +450,72 @@ class ShardtrainSetup:
 
 
 class TorchSetup:
-    def __init__(self, args, schedule: str, probe: Probe, layout: Dict[str, Any], parts):
+    """torch's pipelining on the split of ``twin`` (the shardtrain setup of the same
+    schedule): one ``PipelineStage`` per part this rank holds (two for zbv)."""
+
+    def __init__(self, args, schedule: str, probe: Probe, layout: Dict[str, Any],
+                 twin: ShardtrainSetup):
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
         self.name, self.engine_name, self.schedule = f"torch {schedule}", "torch", schedule
-        self.probe, self.args = probe, args
-        self.stage_id, self.replica = layout["stage"], layout["replica"]
-        self.first, self.last = self.stage_id == 0, self.stage_id == args.stages - 1
-        self.dp_group = layout["dp_group"]
-        self.dp = args.world // args.stages
-        self.module = StageLayers(layer_specs(args), parts[self.stage_id], parts[self.stage_id + 1])
-        stage = PipelineStage(self.module, self.stage_id, args.stages, torch.device("cpu"),
-                              group=layout["pp_group"])
-        kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        self.runner = kind(stage, args.micro_batches, loss_fn=lm_loss)
-        probe.wrap_torch_stage(stage, self.runner)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.0,
+        self.probe, self.args, self.replica = probe, args, layout["replica"]
+        self.dp_group, self.dp = layout["dp_group"], args.world // args.stages
+        parts, total = twin.parts, len(twin.parts) - 1
+        self.part_ids, self.chunk_bytes = twin.part_ids, twin.chunk_bytes
+        self.first, self.last = 0 in self.part_ids, total - 1 in self.part_ids
+        specs = layer_specs(args)
+        self.modules = [StageLayers(specs, parts[k], parts[k + 1]) for k in self.part_ids]
+        stages = [pipelining.PipelineStage(m, k, total, torch.device("cpu"),
+                                           group=layout["pp_group"])
+                  for m, k in zip(self.modules, self.part_ids)]
+        kinds = {"1f1b": pipelining.Schedule1F1B, "gpipe": pipelining.ScheduleGPipe,
+                 "zbv": pipelining.ScheduleZBVZeroBubble}
+        if schedule not in kinds:
+            raise ValueError(f"no torch schedule for {schedule!r}: one of {', '.join(kinds)}")
+        # the multi-stage schedules take the rank's stages as a list
+        self.runner = kinds[schedule](stages if len(stages) > 1 else stages[0],
+                                      args.micro_batches, loss_fn=lm_loss)
+        for chunk, stage in enumerate(stages):
+            probe.wrap_torch_stage(stage, chunk)
+        probe.wrap_torch_loss(self.runner)
+        self.group_rank = stages[0].group_rank
+        self._twin = twin
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0,
                                            eps=1e-8)
         self._dist = dist
+
+    def parameters(self) -> List[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def actions(self) -> List[tuple]:
+        """The order torch's schedule runs on this rank, as ``(kind, micro-batch, chunk)``;
+        the single-stage schedules keep no list, and run the same order as shardtrain's."""
+        order = getattr(self.runner, "pipeline_order", None)
+        if order is None:
+            return self._twin.actions()
+        compute = [a for a in order[self.group_rank]
+                   if a is not None and a.computation_type.value in "FIWB"]  # no REDUCE_GRAD
+        return [(a.computation_type.value, a.microbatch_index, self.part_ids.index(a.stage_index))
+                for a in compute]
+
+    def weight_diff(self) -> float:
+        """The largest difference between these weights and the twin engine's."""
+        same = self._twin.engine.module.state_dict()
+        return max((same[k] - v).abs().max().item()
+                   for m in self.modules for k, v in m.state_dict().items())
 
     def step(self, data) -> float:
         rec = self.probe.rec
         mine = data[self.replica]
         start = time.perf_counter()
         losses: List[torch.Tensor] = []
-        if self.first:
-            self.runner.step(torch.cat([x for x, _ in mine]))
-        elif self.last:
-            self.runner.step(target=torch.cat([y for _, y in mine]), losses=losses)
-        else:
-            self.runner.step()
+        inputs = (torch.cat([x for x, _ in mine]),) if self.first else ()
+        targets = {"target": torch.cat([y for _, y in mine]), "losses": losses} \
+            if self.last else {}
+        self.runner.step(*inputs, **targets)
         rec["span"] = time.perf_counter() - start
         if self.dp > 1:
-            for p in self.module.parameters():
+            for p in self.parameters():
                 self._dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad.div_(self.dp)
         self.optimizer.step()
@@ -450,14 +562,17 @@ def _worker(rank, world, port, args, queue):
     shardtrain.init_distributed()
     probe = Probe()
     probe.install()
-    setups = [ShardtrainSetup(args, s, probe) for s in SCHEDULES]
-    mesh, parts = setups[0].engine.mesh, setups[0].parts
-    layout = _torch_layout(args, mesh)
+    ours = {s: ShardtrainSetup(args, s, probe) for s in SCHEDULES}
+    for setup in ours.values():
+        setup.chunk_bytes = [part_saved_bytes(args, setup.parts, k, setup.part_ids)
+                             for k in setup.part_ids]
+    setups: List[Any] = list(ours.values())
+    layout = _torch_layout(args, setups[0].engine.mesh)
     errors: Dict[str, str] = {}
     for schedule in SCHEDULES:
         error = ""
         try:
-            setups.append(TorchSetup(args, schedule, probe, layout, parts))
+            setups.append(TorchSetup(args, schedule, probe, layout, ours[schedule]))
         except Exception as exc:  # reported, not fatal: see the module docstring
             error = f"{type(exc).__name__}: {exc}"
         failed = _agreed(not error, error)
@@ -465,15 +580,10 @@ def _worker(rank, world, port, args, queue):
             errors[f"torch {schedule}"] = failed
             if not error:
                 setups.pop()
-    same = setups[0].engine.module.state_dict()
-    weight_diff = max((max((same[k] - v).abs().max().item() for k, v in s.module.state_dict()
-                           .items()) for s in setups if isinstance(s, TorchSetup)), default=0.0)
-    stage_module = StageLayers(layer_specs(args), parts[layout["stage"]],
-                               parts[layout["stage"] + 1])
-    saved = saved_bytes_per_micro_batch(stage_module, layout["stage"] == 0,
-                                        layout["stage"] == args.stages - 1, args)
+    weight_diff = max((s.weight_diff() for s in setups if isinstance(s, TorchSetup)),
+                      default=0.0)
     data = batches(args, world // args.stages)
-    records: Dict[str, List[Dict[str, float]]] = {s.name: [] for s in setups}
+    records: Dict[str, List[Dict[str, Any]]] = {s.name: [] for s in setups}
     losses: Dict[str, List[float]] = {s.name: [] for s in setups}
     for step in range(args.steps + 1):
         order = setups[step % len(setups):] + setups[:step % len(setups)]
@@ -481,7 +591,7 @@ def _worker(rank, world, port, args, queue):
             if setup.name in errors:
                 continue
             dist.barrier()
-            rec = probe.start()
+            rec = probe.start(setup.chunk_bytes)
             error = ""
             try:
                 losses[setup.name].append(setup.step(data[step]))
@@ -498,8 +608,10 @@ def _worker(rank, world, port, args, queue):
                 rec.pop("alive")
                 records[setup.name].append(rec)
     mine = {"rank": rank, "stage": layout["stage"], "replica": layout["replica"],
-            "saved": saved, "records": records, "losses": losses, "weight_diff": weight_diff,
-            "parts": parts}
+            "records": records, "losses": losses, "weight_diff": weight_diff,
+            "parts": {s.name: s.parts for s in ours.values()},
+            "chunk_bytes": {s.name: s.chunk_bytes for s in setups},
+            "planned": {s.name: planned_peak(s.actions(), s.chunk_bytes) for s in setups}}
     everyone = shardtrain.comm.all_gather_object(mine)
     if rank == 0:
         queue.put({"ranks": everyone, "errors": errors})
@@ -510,52 +622,70 @@ def _worker(rank, world, port, args, queue):
 
 # -- the report --------------------------------------------------------------------------------
 
-def theory_bubble(stages: int, micro: int) -> float:
+def theory_bubble(stages: int, micro: int, schedule: str = "1f1b") -> float:
+    """The share of a step each stage idles with equal stage times and free sends."""
+    if schedule == "zbv":
+        from shardtrain.pipe import bubble_fraction
+        return bubble_fraction(stages, micro, schedule="zbv")
     return (stages - 1) / (micro + stages - 1)
 
 
-def analytic_sent(args, stage: int, header: bool) -> int:
+def analytic_sent(args, stage: int, schedule: str, header: bool) -> int:
     """Bytes a rank of ``stage`` sends per step (see the module docstring)."""
-    messages = args.micro_batches * ((stage < args.stages - 1) + (stage > 0))
-    return messages * (4 * args.batch * args.seq * args.hidden + (HEADER_BYTES if header else 0))
+    p = args.stages
+    per_micro = (stage < p - 1) + (stage > 0)
+    if schedule == "zbv":  # both chunks, each way; the turn at the last stage is local
+        per_micro *= 2
+    return args.micro_batches * per_micro * (4 * args.batch * args.seq * args.hidden
+                                             + (HEADER_BYTES if header else 0))
+
+
+def _stage_figures(ranks: List[Dict[str, Any]], name: str, stages: int) -> Dict[str, list]:
+    """Per stage, over its replicas' timed steps: the medians of the shares and times, the
+    largest byte counts and peaks."""
+    out: Dict[str, List[Any]] = {k: [] for k in ("idle", "wait", "busy_s", "span_s", "sent",
+                                                  "other", "in_flight", "peak_activation_bytes",
+                                                  "schedule_in_flight", "schedule_peak_bytes",
+                                                  "saved_bytes_per_chunk")}
+    for s in range(stages):
+        at = [r for r in ranks if r["stage"] == s]
+        steps = [rec for r in at for rec in r["records"][name]]
+        out["idle"].append(statistics.median(1 - x["busy"] / x["span"] for x in steps))
+        out["wait"].append(statistics.median(x["wait"] / x["span"] for x in steps))
+        out["busy_s"].append(statistics.median(x["busy"] for x in steps))
+        out["span_s"].append(statistics.median(x["span"] for x in steps))
+        for key, field in (("sent", "sent"), ("other", "other"), ("in_flight", "in_flight"),
+                           ("peak_activation_bytes", "peak_bytes")):
+            out[key].append(max(x[field] for x in steps))
+        out["schedule_in_flight"].append(max(r["planned"][name][0] for r in at))
+        out["schedule_peak_bytes"].append(max(r["planned"][name][1] for r in at))
+        out["saved_bytes_per_chunk"].append(at[0]["chunk_bytes"][name])
+    return out
 
 
 def summarize(args, result: Dict[str, Any]) -> Dict[str, Any]:
     """Per setup and per stage, from every rank's records."""
     ranks, errors = result["ranks"], result["errors"]
     stages = args.stages
-    saved = [max(r["saved"] for r in ranks if r["stage"] == s) for s in range(stages)]
     rows = []
     for name in ranks[0]["records"]:
         if name in errors:
             continue
         engine, schedule = name.split()
-        per_stage: Dict[str, List[float]] = {k: [] for k in
-                                             ("idle", "wait", "busy_s", "span_s", "sent",
-                                              "other", "in_flight")}
-        for s in range(stages):
-            mine = [r["records"][name] for r in ranks if r["stage"] == s]
-            steps = [rec for recs in mine for rec in recs]
-            per_stage["idle"].append(statistics.median(1 - x["busy"] / x["span"] for x in steps))
-            per_stage["wait"].append(statistics.median(x["wait"] / x["span"] for x in steps))
-            per_stage["busy_s"].append(statistics.median(x["busy"] for x in steps))
-            per_stage["span_s"].append(statistics.median(x["span"] for x in steps))
-            per_stage["sent"].append(max(x["sent"] for x in steps))
-            per_stage["other"].append(max(x["other"] for x in steps))
-            per_stage["in_flight"].append(max(x["in_flight"] for x in steps))
         slowest = [max(r["records"][name][i]["step"] for r in ranks)
                    for i in range(len(ranks[0]["records"][name]))]
-        last_ranks = [r for r in ranks if r["stage"] == stages - 1]
-        losses = [statistics.fmean(r["losses"][name][i] for r in last_ranks)
-                  for i in range(len(last_ranks[0]["losses"][name]))]
+        # torch's loss is on the stage holding the model's last part: stage 0 in a V
+        loss_stage = 0 if schedule == "zbv" else stages - 1
+        loss_ranks = [r for r in ranks if r["stage"] == loss_stage]
+        losses = [statistics.fmean(r["losses"][name][i] for r in loss_ranks)
+                  for i in range(len(loss_ranks[0]["losses"][name]))]
         rows.append({
             "engine": engine, "schedule": schedule, "step_s": statistics.median(slowest),
-            "step_times_s": slowest, "losses": losses, **per_stage,
-            "analytic_sent": [analytic_sent(args, s, engine == "shardtrain")
-                              for s in range(stages)],
-            "schedule_in_flight": [schedule_in_flight(s, stages, args.micro_batches, schedule)
-                                   for s in range(stages)],
-            "peak_activation_bytes": [n * b for n, b in zip(per_stage["in_flight"], saved)]})
+            "step_times_s": slowest, "losses": losses,
+            "theory_bubble": theory_bubble(stages, args.micro_batches, schedule),
+            **_stage_figures(ranks, name, stages),
+            "analytic_sent": [analytic_sent(args, s, schedule, engine == "shardtrain")
+                              for s in range(stages)]})
     ratios, first_loss = {}, {}
     for schedule in SCHEDULES:
         pair = {r["engine"]: r for r in rows if r["schedule"] == schedule}
@@ -572,22 +702,29 @@ def summarize(args, result: Dict[str, Any]) -> Dict[str, Any]:
             "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
             "steps": args.steps, "parts": ranks[0]["parts"], "torch": torch.__version__,
             "theory_bubble": theory_bubble(stages, args.micro_batches),
-            "saved_bytes_per_micro_batch": saved, "rows": rows, "ratios": ratios,
-            "first_step_loss": first_loss, "errors": errors,
+            "rows": rows, "ratios": ratios, "first_step_loss": first_loss, "errors": errors,
             "weight_diff": max(r["weight_diff"] for r in ranks)}
 
 
 def report(s: Dict[str, Any]) -> None:
     p, m = s["stages"], s["micro_batches"]
-    kib = 1024
     print(f"\nmodel: embedding + {s['layers']} blocks (hidden {s['hidden']}, MLP x4) + head, "
           f"vocabulary {s['vocab']}; {p} stages x {s['dp']} replica(s) on {s['world']} ranks "
           f"(gloo, CPU); {m} micro-batches of {s['batch']} x {s['seq']} tokens; "
           f"torch {s['torch']}")
-    print(f"layers per stage (boundaries): {s['parts']}; torch's stage weights equal the "
-          f"engine's: max |diff| {s['weight_diff']:.1e}")
+    print("layer boundaries of the parts: " + "; ".join(
+        f"{name.split()[1]} {parts}" for name, parts in s["parts"].items())
+        + f" (zbv: stage s holds parts s and {2 * p - 1} - s); torch's stage weights equal the "
+        f"engine's: max |diff| {s['weight_diff']:.1e}")
     for name, error in s["errors"].items():
         print(f"  {name}: did not run here: {error}")
+    _report_steps(s)
+    _report_idle(s)
+    _report_bytes(s)
+    _report_activations(s)
+
+
+def _report_steps(s: Dict[str, Any]) -> None:
     print(f"\nstep time (median over {s['steps']} steps of the slowest rank)")
     print(f"  {'schedule':8} {'shardtrain ms':>13} {'torch ms':>9} {'ratio':>6}  "
           f"{'step-1 loss shardtrain':>22} {'torch':>9} {'|diff|':>8} {'max |diff| all':>14}")
@@ -603,16 +740,25 @@ def report(s: Dict[str, Any]) -> None:
                  f"{loss['max_diff_all_steps']:14.1e}" if theirs else f"{'-':>9} {'-':>6}"))
     print("  ratio: shardtrain / torch; shardtrain's step also reduces the loss and the "
           "gradient norm across stages")
-    print(f"\nidle share of the pipelined span per stage (1 - busy / span), wait share in "
-          f"brackets; theory (P-1)/(M+P-1) = {s['theory_bubble']:.3f}")
+
+
+def _report_idle(s: Dict[str, Any]) -> None:
+    p = s["stages"]
+    print("\nidle share of the pipelined span per stage (1 - busy / span), wait share in "
+          "brackets; theory: (P-1)/(M+P-1) for 1f1b and gpipe, the simulated zbv schedule's "
+          "for zbv")
     print(f"  {'setup':16} " + " ".join(f"{'stage ' + str(i):>16}" for i in range(p))
-          + f" {'span ms':>8} {'busy ms':>8}")
+          + f" {'theory':>7} {'span ms':>8} {'busy ms':>8}")
     for r in s["rows"]:
         cells = " ".join(f"{r['idle'][i]:8.3f} ({r['wait'][i]:.3f})" for i in range(p))
-        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells} "
+        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells} {r['theory_bubble']:7.3f} "
               f"{max(r['span_s']) * 1e3:8.1f} {statistics.fmean(r['busy_s']) * 1e3:8.1f}")
     print("  span: the longest stage's median; busy: the stages' mean of their median compute "
           "time per step")
+
+
+def _report_bytes(s: Dict[str, Any]) -> None:
+    p, kib = s["stages"], 1024
     print("\nbytes sent per rank per step, measured / analytic (KiB); shardtrain's include a "
           "512-byte header per message")
     print(f"  {'setup':16} " + " ".join(f"{'stage ' + str(i):>19}" for i in range(p))
@@ -626,18 +772,32 @@ def report(s: Dict[str, Any]) -> None:
     print("  other collectives: the largest rank's bytes to shardtrain's other collectives "
           "(loss, norm, and with replicas the gradient reduction); torch's all-reduce of "
           "gradients over replicas is not counted")
-    print("\nactivations kept per stage at the peak (CPU stand-in: micro-batches alive at once "
-          "x bytes saved per micro-batch)")
-    print("  saved per micro-batch (KiB): "
-          + ", ".join(f"stage {i} {b / kib:.1f}" for i, b in
-                      enumerate(s["saved_bytes_per_micro_batch"])))
+
+
+def _report_activations(s: Dict[str, Any]) -> None:
+    p, kib = s["stages"], 1024
+    print("\nactivations kept per stage at the peak (CPU stand-in: the bytes saved per "
+          "micro-batch in each chunk, summed over the micro-batches alive at once)")
+    splits: Dict[str, List[str]] = {}  # the saved bytes of a split -> its schedules
+    for r in s["rows"]:
+        schedules = splits.setdefault(json.dumps(r["saved_bytes_per_chunk"]), [])
+        if r["schedule"] not in schedules:
+            schedules.append(r["schedule"])
+    for saved, schedules in splits.items():
+        print(f"  saved per micro-batch (KiB), {', '.join(schedules)}: " + ", ".join(
+            f"stage {i} " + " + ".join(f"{b / kib:.1f}" for b in chunks)
+            for i, chunks in enumerate(json.loads(saved))))
     print(f"  {'setup':16} " + " ".join(f"{'stage ' + str(i) + ' alive, KiB':>20}"
                                         for i in range(p)))
     for r in s["rows"]:
         cells = " ".join(f"{r['in_flight'][i]:3d} ({r['schedule_in_flight'][i]}) "
                          f"{r['peak_activation_bytes'][i] / kib:10.1f}" for i in range(p))
-        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells}")
-    print("  alive: counted while the schedule ran (in brackets: shardtrain's action list)")
+        same = r["peak_activation_bytes"] == r["schedule_peak_bytes"]
+        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells}"
+              + ("" if same else "  (bytes differ from the action list's)"))
+    print("  alive: the most micro-batches' chunk activations alive at once, counted while the "
+          "schedule ran (in brackets: as its own action list implies); zbv keeps a chunk's "
+          "activations from its forward to its weight half")
 
 
 def main(argv=None):
