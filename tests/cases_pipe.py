@@ -93,6 +93,9 @@ def config(gas: int, stage: int = 0, clip: float = 1.0, **extra: Any) -> Dict[st
                                                       "eps": 1e-8}}, **extra}
 
 
+#: ZeRO-3 gathering every parameter (none kept whole for being small)
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
 TP_BLOCKS = {"autotp_size": 2, "partition_config": {"layer_specs": [
     {"patterns": [r".*\.fc\.(weight|bias)$"], "partition_type": "column"},
     {"patterns": [r".*\.out\.weight$"], "partition_type": "row"}]}}
@@ -314,7 +317,7 @@ def case_llama(stages: int, stage: int, tie: bool, root: str = "", via_config: b
 #: two steps
 FOUR_RANK_MOVES = [("pp2_dp2_s1", 2, 1, 1, False), ("pp2_dp2", 2, 1, 1, True),
                    ("pp4_s0", 4, 1, 0, True), ("pp1_dp4_s2", 1, 1, 2, True),
-                   ("pp2_dp2_zbv", 2, 1, 1, True, "zbv")]
+                   ("pp2_dp2_zbv", 2, 1, 1, True, "zbv"), ("pp2_dp2_s3", 2, 1, 3, True)]
 EIGHT_RANK_MOVES = [("pp2_dp2_tp2_s1", 2, 2, 1, False), ("pp4_dp2_s1", 4, 1, 1, True),
                     ("pp2_tp2_dp2_s2", 2, 2, 2, True)]
 
@@ -415,7 +418,9 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     attempt("v_three", lambda: PipelineModule(specs(), num_stages=2, virtual_stages=3,
                                               chunk_placement="v"))
     attempt("zero3", lambda: shardtrain.initialize(
-        model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss), config=config(2, 3)))
+        model=PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, virtual_stages=2,
+                             chunk_placement="v"),
+        config=config(2, 3, pipeline={"schedule": "zbv"})))
     module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, partition_method="uniform")
     engine, *_ = shardtrain.initialize(model=module, config=config(2))
     x = torch.zeros(B, T, dtype=torch.long)
@@ -435,11 +440,13 @@ def _tp2(world: int) -> PipeModelDataParallelTopology:
 
 
 def eight_ranks(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
-    """3-D parallelism: pp2 x dp2 x tp2 trained, and its checkpoint moved to pp4 x dp2 and
-    back to pp2 x tp2 x dp2 at ZeRO-2."""
+    """3-D parallelism: pp2 x dp2 x tp2 trained (ZeRO-1 and ZeRO-3), and its checkpoint moved
+    to pp4 x dp2 and back to pp2 x tp2 x dp2 at ZeRO-2."""
     from _dist import run_cases
     cases = {"pp2_dp2_tp2_s1": case_train(2, 1, topology=_tp2,
                                           extra={"tensor_parallel": TP_BLOCKS}),
+             "pp2_dp2_tp2_s3": case_train(2, 3, topology=_tp2,
+                                          extra={"tensor_parallel": TP_BLOCKS, **ZERO3}),
              "checkpoint": case_checkpoint(root, EIGHT_RANK_MOVES)}
     return run_cases(cases, rank, world_size)
 
@@ -469,6 +476,11 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         # two chunks of layers per rank: stage 0 holds parts 0 and 2, stage 1 parts 1 and 3
         "pp2_dp2_interleaved_s1": case_train(2, 1, schedule="interleaved", chunks=2),
         "pp4_interleaved_s2": case_train(4, 2, schedule="interleaved", chunks=2),
+        # ZeRO-3 gathers around each micro-batch's forward and backward, interleaved across
+        # micro-batches; the tied embedding's owner reads it whole for the copies
+        "pp2_dp2_s3": case_train(2, 3, extra=ZERO3),
+        "pp2_dp2_interleaved_s3": case_train(2, 3, schedule="interleaved", chunks=2,
+                                             extra=ZERO3),
         # zero bubble: two chunks as a V (stage 0 holds the first and last parts, the loss),
         # each backward split into its input and weight halves
         **ZBV_CASES,

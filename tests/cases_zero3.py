@@ -99,19 +99,28 @@ def _state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def run_znet(rank: int, world: int, data, penalty: bool, **zero) -> Dict[str, Any]:
+def run_znet(rank: int, world: int, data, penalty: bool, forwards_first: bool = False,
+             **zero) -> Dict[str, Any]:
+    """``forwards_first``: each step runs every micro-batch's forward, then their backwards
+    in turn (as a pipeline stage does)."""
     x, y = data
     steps, gas = x.shape[:2]
     engine, *_ = shardtrain.initialize(model=znet(), config=zero3_config(x.shape[3], gas, **zero))
     losses = torch.zeros(steps, gas)
     shard_only = []
     for s in range(steps):
+        pending = []
         for k in range(gas):
             out = engine(x[s, k, rank], skip=skip_at(s))
             loss = loss_of(engine.module, out, y[s, k, rank], penalty)
+            losses[s, k] = loss.detach()
+            pending.append(loss)
+            if not forwards_first:
+                engine.backward(pending.pop())
+                engine.step()
+        for loss in pending:
             engine.backward(loss)
             engine.step()
-            losses[s, k] = loss.detach()
         shard_only.append(_holds_shards_only(engine))
     persistent = {n: tuple(p.shape) for n, p in engine.module.named_parameters()
                   if getattr(p, "ds_persist", False)}
@@ -144,6 +153,13 @@ def case_znet(rank, world):
     """Frozen layer, buffer, module called twice, parameter used twice, a weight read in the
     loss, a path that changes between steps; accumulation 2, clipping."""
     return run_znet(rank, world, make_data(4, 2, world, 3), penalty=True)
+
+
+@case
+def case_znet_forwards_first(rank, world):
+    """The same with both micro-batches' forwards before their backwards: each backward
+    counts its own gradients' arrival before releasing a group."""
+    return run_znet(rank, world, make_data(4, 2, world, 3), penalty=True, forwards_first=True)
 
 
 @case

@@ -38,6 +38,7 @@ from .pipe.p2p import recv_tensors, send_tensors
 from .pipe.schedule import SPLIT_BACKWARD
 from .state import BackwardPass, Phase
 from .zero.strategy import ReducedGrads
+from .zero.values import GatheredParameters
 
 __all__ = ["PipelineEngine"]
 
@@ -61,12 +62,12 @@ class PipelineEngine(Engine):
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}.")
         self._settings = read_settings(config.pipeline)
-        if model.num_stages > 1 and config.zero_optimization.stage == 3:
+        if self._settings.schedule in SPLIT_BACKWARD and config.zero_optimization.stage == 3:
             raise NotImplementedError(
-                "ZeRO stage 3 with a PipelineModule of several stages is not supported yet "
-                "(each stage's backward of one micro-batch runs while others' forwards are "
-                "pending, which stage 3's gathering does not follow): use ZeRO stage 0, 1 or 2, "
-                "which shard over each stage's data-parallel ranks.")
+                f"pipeline.schedule {self._settings.schedule!r} with ZeRO stage 3 is not "
+                "supported yet (a weight half runs apart from the backward that gathered its "
+                "parameters): use ZeRO stage 0, 1 or 2, or the '1f1b', 'gpipe' or "
+                "'interleaved' schedule at stage 3.")
         super().__init__(model, config, **kwargs)
         stages = self.mesh.sizes["pp"]
         self.num_stages, self.stage_id = stages, self.mesh.coordinate()["pp"]
@@ -140,7 +141,7 @@ class PipelineEngine(Engine):
                     tensor.grad_sum = torch.zeros(tensor.shape, dtype=torch.float32,
                                                   device=self.device)
                     tensor.register_post_accumulate_grad_hook(_keep_grad)
-                with torch.no_grad():
+                with torch.no_grad(), GatheredParameters([tensor]):  # whole at ZeRO-3 too
                     comm.broadcast(tensor.data, 0, group=group)
                 ties.append({"tie": tie, "group": group, "owner": owner})
         return ties
@@ -293,19 +294,23 @@ class PipelineEngine(Engine):
         """The owners' updated tied weights into every other stage's copy."""
         with torch.no_grad():
             for tie in self._ties:
-                comm.broadcast(tie["tie"].tensor.data, 0, group=tie["group"])
+                tensor = tie["tie"].tensor
+                with GatheredParameters([tensor]):  # the owner's, whole at ZeRO-3 too
+                    comm.broadcast(tensor.data, 0, group=tie["group"])
 
     def _owned_tied_grads(self) -> List[tuple]:
         """Before the owner's last backward: the copies' gradients summed over the stages
         holding them (a later stage's last backward runs before an earlier one's), as
-        ``(parameter, gradient)`` for that backward to add."""
+        ``(tied weight, gradient)`` for that backward to add (it reads the parameter inside
+        its pass, where ZeRO-3 gathers it)."""
         owned = []
         for tie in self._ties:
             if tie["owner"]:
                 tensor = tie["tie"].tensor
-                total = torch.zeros(tensor.shape, dtype=torch.float32, device=self.device)
+                shape = getattr(tensor, "ds_shape", tensor.shape)  # whole, if partitioned
+                total = torch.zeros(shape, dtype=torch.float32, device=self.device)
                 comm.all_reduce(total, group=tie["group"])
-                owned.append((tensor, total))
+                owned.append((tie["tie"], total))
         return owned
 
     def _give_tied_grads(self) -> None:
@@ -497,17 +502,24 @@ class _Run:
         """The whole backward of a micro-batch's chunk: one pass of the engine."""
         engine = self.engine
         tied = self._tied_before(index, chunk, last)
-        extra = [(p * g.to(p.dtype)).sum() for p, g in tied]
         produced = self.outputs_alive.pop((index, chunk))
         engine._action = self._label(index, chunk, "backward")
-        if self._last(chunk):
-            loss = produced + sum(extra) if extra else produced
-            Engine.backward(engine, loss)
+        if self._last(chunk) and not tied:
+            Engine.backward(engine, produced)
         else:
-            pairs = self._output_grads(index, chunk, produced)
-            pairs += [(x, torch.ones_like(x)) for x in extra]
-            _engine_pass(engine, lambda: torch.autograd.backward([t for t, _ in pairs],
-                                                                 [g for _, g in pairs]))
+            if self._last(chunk):  # the loss, scaled as engine.backward scales it
+                engine._step.losses.append(produced.detach())
+                pairs = [(produced, torch.full_like(produced, engine._scaler.scale))]
+            else:
+                pairs = self._output_grads(index, chunk, produced)
+
+            def run() -> None:
+                # the tied weights' added gradients are already scaled, as the copies' were
+                extra = [(t.tensor * g.to(t.tensor.dtype)).sum() for t, g in tied]
+                torch.autograd.backward([t for t, _ in pairs] + extra,
+                                        [g for _, g in pairs] + [torch.ones_like(x)
+                                                                 for x in extra])
+            _engine_pass(engine, run)
         self._send_input_grads(index, chunk)
         self._tied_after(index, chunk, last)
 
@@ -534,7 +546,7 @@ class _Run:
         tied = self._tied_before(index, chunk, last)
         half = self.weight_halves.pop((index, chunk))
         self.engine._action = self._label(index, chunk, "backward of the weights")
-        _engine_pass(self.engine, lambda: half.run(extra=tied))
+        _engine_pass(self.engine, lambda: half.run(extra=[(t.tensor, g) for t, g in tied]))
         self._tied_after(index, chunk, last)
 
     def _leaves(self) -> List[torch.Tensor]:
@@ -571,7 +583,7 @@ class _Run:
 
     def _tied_before(self, index: int, chunk: int, last: bool) -> List[tuple]:
         """At the rank's last pass: the tied weights' gradients from the stages holding
-        copies, as (parameter, gradient) for the pass to add."""
+        copies, as (tied weight, gradient) for the pass to add."""
         if not last:
             return []
         self.engine._action = self._label(index, chunk, "backward: the tied weights' gradients "

@@ -15,7 +15,8 @@ matched by order); the order may change from step to step: prefetching then stop
 new order is learned.
 
 Parameters read outside the forward of a module that owns them are gathered on attribute
-access (:mod:`._access`) and kept until backward has used them. While a backward runs
+access (:mod:`._access`) and kept until backward has used them (until the last backward,
+when several forwards ran before their backwards, as on a pipeline stage). While a backward runs
 nothing is released by forward hooks, so activation checkpointing (which re-runs forward
 inside backward) finds its parameters in place.
 """
@@ -65,6 +66,7 @@ class GatherSchedule:
         self._module_pos: Dict[int, int] = {}  # where each module's forward began in _trace
         self._plan: List[ParamGroup] = []
         self._plan_ok = False
+        self._pending = 0  # forwards with gradients whose backward has not run yet
         # How groups arrived when needed: already there, prefetched, or fetched on demand.
         self.stats = {"prefetched": 0, "on_demand": 0}
         self.module_hooks: Dict[int, list] = {}  # id(module) -> its forward hook handles
@@ -156,6 +158,7 @@ class GatherSchedule:
         if self.window is Window.BACKWARD:
             return
         self.window = Window.FORWARD if grad_enabled else Window.OUTSIDE
+        self._pending += 1 if grad_enabled else 0
         if self._trace and not (self._plan_ok and len(self._plan) == len(self._trace)):
             self._plan = list(self._trace)  # first step, or the path changed: re-learn
         used = {id(g) for g in self._trace}
@@ -272,22 +275,27 @@ class GatherSchedule:
 
     def begin_backward(self) -> None:
         self.window = Window.BACKWARD
+        for g in self.units.groups:  # arrivals count per backward pass: two backwards may
+            g.done = set()           # follow two forwards (a pipeline's micro-batches)
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         g: Optional[ParamGroup] = getattr(param, "ds_group", None)
         if g is None:
             return
         g.done.add(id(param))
-        if g.done >= g.trainable and g.active == 0:
-            g.release()  # every use of it in this backward is over
+        if g.done >= g.trainable and g.active == 0 and not (g.hold and self._pending > 1):
+            g.release()  # every use of it in this backward is over (a group read outside
+            # a forward stays for the backward of another forward still to come)
 
     def end_backward(self) -> None:
         self.window = Window.OUTSIDE
+        self._pending = max(self._pending - 1, 0)
         for g in self.units.groups:
             # No forward is running now. A count left over is a forward that never finished:
             # non-reentrant checkpointing stops its re-run early, once it has what it needs.
             g.active = 0
-            g.release()
+            if not (g.hold and self._pending):  # a later backward may still read it
+                g.release()
 
     # -- outside forward and backward -----------------------------------------------------------
 
@@ -309,6 +317,7 @@ class GatherSchedule:
 
     def reset(self) -> None:
         """After a step any gathered copy is stale: everything is released."""
+        self._pending = 0
         for g in self.units.groups:
             g.active = 0
             g.release()
