@@ -205,8 +205,9 @@ API: List[Api] = [
     Api("PipelineEngine", "supported",
         "`train_batch(data_iter)`, `eval_batch(...)`, `set_dataiterator`, `set_batch_fn`, "
         "`is_first_stage`/`is_last_stage`; 1F1B (or GPipe: `pipeline.schedule`) over ZeRO stages "
-        "0-2; `forward`/`backward`/`step` raise PipelineError as DeepSpeed's do; checkpoints of a "
-        "split model are refused (planned)"),
+        "0-2; `forward`/`backward`/`step` raise PipelineError as DeepSpeed's do; checkpoints load "
+        "on any pipeline size, and DeepSpeed's own pipeline checkpoints (ZeRO-1) load too "
+        "(converted: checkpoints.md)"),
     Api("DeepSpeedTransformerLayer", "refused", "DeepSpeed's fused kernels: NotImplementedError"),
     Api("add_tuning_arguments", "not provided", "LR range-test arguments; use the config's `scheduler` block"),
     # ZeRO-3 tools

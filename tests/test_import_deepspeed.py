@@ -311,7 +311,8 @@ def test_stage0_names_the_candidates_when_shapes_cannot_tell(tmp_path, capsys):
 @pytest.mark.parametrize("damage, message", [
     ("not-a-checkpoint", "is not a DeepSpeed checkpoint"),
     ("missing-rank-file", "zero_pp_rank_1_mp_rank_00_optim_states.pt is missing"),
-    ("pipeline", "pipeline-parallel (layer_* files) DeepSpeed checkpoints are not supported"),
+    ("pipeline", "tensor-parallel pipeline (layer_*-model_* files) DeepSpeed checkpoints are "
+                 "not supported"),
     ("tensor-parallel", "tensor-parallel"),
     ("truncated", "cannot be read as a torch.save file"),
     ("unknown-tag", "DeepSpeed checkpoint tag 'global_step9' not found"),

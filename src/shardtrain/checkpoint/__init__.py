@@ -52,7 +52,8 @@ How the modules divide the work:
 * DeepSpeed's checkpoints: ``_deepspeed_files`` (finding them; torch's restricted unpickler
   with stand-ins for DeepSpeed's types), ``_deepspeed_layout`` (flat partitions),
   ``_deepspeed_state`` (what one holds), ``_deepspeed_stage0`` (naming stage 0's optimizer
-  indices), ``_deepspeed_reader`` (every layout); ``_import``: that state written as a
+  indices), ``_deepspeed_pipe`` (a pipeline's stages and its layer files under the unsplit
+  module's names), ``_deepspeed_reader`` (every layout); ``_import``: that state written as a
   shardtrain checkpoint by :func:`save_checkpoint`; :mod:`.deepspeed_keys`: the keys read,
   by DeepSpeed's names (public: the alias's ``deepspeed.checkpoint.constants`` re-exports
   them); ``_universal``: ``engine.load_checkpoint`` on a DeepSpeed directory (``latest``,

@@ -69,7 +69,9 @@ STAND_INS: Dict[str, Any] = {
 }
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
-_ZERO_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")
+_ZERO_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt")
+_STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
 _NOT_DEEPSPEED = ("pass the directory given to DeepSpeed's save_checkpoint (it holds 'latest') "
                   "or one of its tag directories")
@@ -86,6 +88,10 @@ class DeepSpeedFiles:
     optim_states: List[str] = field(default_factory=list)  # rank order
     # a mixture of experts' weights, one file per expert: by (MoE layer, global expert index)
     experts: Dict[Tuple[int, int], str] = field(default_factory=dict)
+    # a pipeline's: each layer's weights by global layer index, and each stage's optimizer
+    # files (data-parallel rank order); model_states then holds each stage's file
+    layers: Dict[int, str] = field(default_factory=dict)
+    stage_optim_states: List[List[str]] = field(default_factory=list)
 
 
 def locate(ckpt_dir: str, tag: Optional[str]) -> DeepSpeedFiles:
@@ -113,12 +119,14 @@ def locate(ckpt_dir: str, tag: Optional[str]) -> DeepSpeedFiles:
 
 
 def is_tag_dir(path: str) -> bool:
-    """Whether ``path`` holds a DeepSpeed checkpoint's model states files."""
+    """Whether ``path`` holds a DeepSpeed checkpoint's model states files (or a pipeline's
+    layer files)."""
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
     return MODEL_STATES in names or any(
-        m is not None and m.group(3) == "model" for m in map(_ZERO_FILE.fullmatch, names))
+        m is not None and m.group(4) == "model" for m in map(_ZERO_FILE.fullmatch, names)) \
+        or any(map(_LAYER_FILE.fullmatch, names))
 
 
 def latest_tag(ckpt_dir: str, names: Sequence[str] = ("latest", "latest_universal")
@@ -147,19 +155,19 @@ def _latest(ckpt_dir: str) -> str:
 
 def _files(tag_dir: str, tag: str) -> DeepSpeedFiles:
     names = sorted(os.listdir(tag_dir))
+    layers = {int(m.group(1)): os.path.join(tag_dir, name)
+              for name in names for m in [_LAYER_FILE.fullmatch(name)] if m}
     for name in names:
-        what = _unsupported(name)
+        what = _unsupported(name, pipeline=bool(layers))
         if what is not None:
             raise NotImplementedError(
                 f"{os.path.join(tag_dir, name)}: {what} DeepSpeed checkpoints are not "
-                "supported; only data-parallel ZeRO checkpoints (stages 0-3) and their "
-                "universal form convert.")
+                "supported; only data-parallel ZeRO checkpoints (stages 0-3), their "
+                "universal form and pipelines at ZeRO stage 1 convert.")
+    if layers:
+        return _pipeline_files(tag_dir, tag, names, layers)
     universal = os.path.isdir(os.path.join(tag_dir, "zero"))
-    zero = {}
-    for name in names:
-        match = _ZERO_FILE.fullmatch(name)
-        if match:
-            zero.setdefault(match.group(3), {})[int(match.group(2))] = os.path.join(tag_dir, name)
+    zero = _zero_files(tag_dir, names).get(0, {})
     model = [os.path.join(tag_dir, MODEL_STATES)] if MODEL_STATES in names \
         else _rank_order(zero.get("model", {}), tag_dir, "model")
     optim = [] if universal else _rank_order(zero.get("optim", {}), tag_dir, "optim")
@@ -168,15 +176,53 @@ def _files(tag_dir: str, tag: str) -> DeepSpeedFiles:
     return DeepSpeedFiles(tag_dir, tag, universal, model, optim, experts)
 
 
-def _unsupported(name: str) -> Optional[str]:
-    """What a file of a layout the converter does not read stands for (None: a known file)."""
+def _zero_files(tag_dir: str, names: List[str]) -> Dict[int, Dict[str, Dict[int, str]]]:
+    """The ZeRO files: by model-parallel rank (a pipeline's stage), kind, data-parallel rank."""
+    out: Dict[int, Dict[str, Dict[int, str]]] = {}
+    for name in names:
+        match = _ZERO_FILE.fullmatch(name)
+        if match:
+            kinds = out.setdefault(int(match.group(3)), {})
+            kinds.setdefault(match.group(4), {})[int(match.group(2))] = \
+                os.path.join(tag_dir, name)
+    return out
+
+
+def _pipeline_files(tag_dir: str, tag: str, names: List[str],
+                    layers: Dict[int, str]) -> DeepSpeedFiles:
+    """A pipeline's files: each stage's ``mp_rank_<s>_model_states.pt`` and optimizer files,
+    the layers' weights. Whether every stage is there is checked against what the stage files
+    record (:mod:`._deepspeed_pipe`)."""
+    stages = {int(m.group(1)): os.path.join(tag_dir, name)
+              for name in names for m in [_STAGE_FILE.fullmatch(name)] if m}
+    missing = [s for s in range(max(stages, default=-1) + 1) if s not in stages]
+    if missing or not stages:
+        raise FileNotFoundError(
+            f"{os.path.join(tag_dir, f'mp_rank_{(missing or [0])[0]:02d}_model_states.pt')} is "
+            "missing: the DeepSpeed pipeline checkpoint is incomplete; copy every stage's files.")
+    zero = _zero_files(tag_dir, names)
+    optim = [_rank_order(zero.get(s, {}).get("optim", {}), tag_dir, "optim", s)
+             for s in sorted(stages)]
+    return DeepSpeedFiles(tag_dir, tag, False, [stages[s] for s in sorted(stages)],
+                          [p for stage in optim for p in stage], layers=layers,
+                          stage_optim_states=optim)
+
+
+def _unsupported(name: str, pipeline: bool = False) -> Optional[str]:
+    """What a file of a layout the converter does not read stands for (None: a known file);
+    ``pipeline``: the tag holds layer files, whose stages are numbered as model-parallel ranks."""
+    if re.fullmatch(r"layer_\d+-model_\d+-model_states\.pt", name):
+        return "tensor-parallel pipeline (layer_*-model_* files)"
+    if pipeline and (_LAYER_FILE.fullmatch(name) or _STAGE_FILE.fullmatch(name)
+                     or _ZERO_FILE.fullmatch(name)):
+        return None
     mp = re.search(r"mp_rank_(\d+)", name)
     if mp is not None and int(mp.group(1)) != 0:
         return "tensor-parallel (model-parallel rank files other than mp_rank_00)"
     if _EXPERT_FILE.fullmatch(name):
         return None  # a mixture of experts' weights, read beside a ZeRO 1-2 checkpoint
     if name.startswith("layer_"):
-        return "pipeline-parallel (layer_* files)"
+        return "pipeline-parallel (unknown layer_* files)"
     if name.startswith("expp_rank_"):
         return "ZeRO stage 0 mixture-of-experts (expp_rank_* optimizer files; stages 1-2 convert)"
     if "expert" in name:
@@ -184,13 +230,13 @@ def _unsupported(name: str) -> Optional[str]:
     return None
 
 
-def _rank_order(by_rank: Dict[int, str], tag_dir: str, kind: str) -> List[str]:
+def _rank_order(by_rank: Dict[int, str], tag_dir: str, kind: str, mp: int = 0) -> List[str]:
     """The files of ranks 0..N-1; a gap is a missing file, named."""
     missing = [r for r in range(max(by_rank, default=-1) + 1) if r not in by_rank]
     if missing:
-        raise FileNotFoundError(
-            f"{os.path.join(tag_dir, f'zero_pp_rank_{missing[0]}_mp_rank_00_{kind}_states.pt')}"
-            " is missing: the DeepSpeed checkpoint is incomplete; copy every rank's files.")
+        name = f"zero_pp_rank_{missing[0]}_mp_rank_{mp:02d}_{kind}_states.pt"
+        raise FileNotFoundError(f"{os.path.join(tag_dir, name)} is missing: the DeepSpeed "
+                                "checkpoint is incomplete; copy every rank's files.")
     return [by_rank[r] for r in sorted(by_rank)]
 
 

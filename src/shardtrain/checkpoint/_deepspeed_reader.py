@@ -14,6 +14,9 @@ elements lie):
 * **stage 3**: every rank's ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (its
   ``frozen_param_fragments``) and optim file (``fp32_flat_groups`` and the base optimizer's
   state per sub-group); the module's own tensors are empty there.
+* **pipelines** (ZeRO stage 1): each stage's ``mp_rank_<s>_model_states.pt`` (its
+  ``param_shapes`` by global names) and optimizer files, read as a stage-1 checkpoint of the
+  stage's parameters; the module from the ``layer_*`` files (:mod:`._deepspeed_pipe`).
 * **universal** (``ds_to_universal``): one folder per parameter under ``zero/`` holding its
   whole ``fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt`` and ``step.pt``; hyperparameters and
   the loss scaler in ``zero/optimizer_state.pt``.
@@ -30,11 +33,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._deepspeed_files import DeepSpeedFiles, load_pickle, locate
-from .deepspeed_keys import (BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, FP32_FLAT_GROUPS,
-                              FP32_WEIGHT_KEY, FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES, LOSS_SCALER,
-                              OPTIMIZER_STATE_DICT, PARAM, PARAM_ALIGNMENT_PADDINGS, PARAM_GROUPS,
-                              PARAM_SHAPES, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
+from .deepspeed_keys import (BASE_OPTIMIZER_STATE, BASE_OPTIMIZER_STATE_STEP, BUFFER_NAMES,
+                             FP32_FLAT_GROUPS, FP32_WEIGHT_KEY, FROZEN_PARAM_FRAGMENTS,
+                             FROZEN_PARAM_SHAPES, LOSS_SCALER, OPTIMIZER_STATE_DICT, PARAM,
+                             PARAM_ALIGNMENT_PADDINGS, PARAM_GROUPS, PARAM_SHAPES,
+                             PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
 from ._deepspeed_layout import FlatView, group_offsets, stage3_offsets, stage3_param
+from ._deepspeed_pipe import check_stages, layer_weights, stage_names
 from ._deepspeed_stage0 import read_stage0
 from ._deepspeed_state import (DeepSpeedState, Load, TrainedParam, base_state,
                                hyperparameters, numel, per_element, scaler_state, whole,
@@ -54,6 +59,11 @@ def read_deepspeed(ckpt_dir: str, tag: Optional[str] = None, trust_pickle: bool 
     def load(path: str) -> Any:
         return load_pickle(path, trust_pickle)
 
+    if files.layers:
+        if frozen:
+            raise ValueError(f"{files.tag_dir}: frozen= (--frozen) is for stage-0 checkpoints "
+                             "of one stage; a pipeline's names its parameters: drop it.")
+        return _pipeline(files, load)
     model = _model_states(files.model_states[0], load)
     if not files.universal and not files.optim_states:
         return read_stage0(files, model, frozen, untrained)
@@ -316,6 +326,57 @@ def _group_state(osd: Dict[str, Any], g: int) -> Dict[str, Any]:
     if "step" not in saved and "step" in group:  # optimizers that count per group
         saved["step"] = group["step"]
     return saved
+
+
+# -- pipelines ----------------------------------------------------------------------------------
+
+def _pipeline(files: DeepSpeedFiles, load: Load) -> DeepSpeedState:
+    """Each stage read as a stage-1 checkpoint of its own parameters (a tied module's from the
+    first stage holding it); the weights, frozen parameters and buffers from the layer files
+    (:mod:`._deepspeed_pipe`)."""
+    models = [load(path) for path in files.model_states]
+    dp = check_stages(files, models)
+    params: Dict[str, TrainedParam] = {}
+    first = {}  # stage 0's optimizer states: its groups and loss scaler stand for every stage's
+    for stage, (path, model) in enumerate(zip(files.model_states, models)):
+        optims = [_optim_states(p, load) for p in files.stage_optim_states[stage]]
+        for name, p in _stage_params(files, path, model, optims, first).items():
+            params.setdefault(name, p)
+        first = first or optims[0]
+    names = [n for model in models for n in stage_names(model)]
+    module = layer_weights(files, names, {n: p.master for n, p in params.items()}, load)
+    for name, p in params.items():
+        weight = module.get(name)
+        p.weight = weight.reshape(-1) if whole(weight, p.master.numel()) else None
+    buffers = list(dict.fromkeys(n for m in models for n in m.get(BUFFER_NAMES) or []))
+    merged = dict(models[0], module=module, buffer_names=buffers, shared_params={})
+    stage = int(first.get(ZERO_STAGE, 1))
+    state = base_state(files, merged, f"pipeline of {len(models)} stages, ZeRO stage {stage}",
+                       stage, dp)
+    state.params = params
+    whole_frozen(state, module)
+    state.groups = hyperparameters(first[BASE_OPTIMIZER_STATE]["param_groups"])
+    state.loss_scaler = scaler_state(first.get(LOSS_SCALER), first.get("dynamic_loss_scale"),
+                                     state.counters["global_steps"])
+    return state
+
+
+def _stage_params(files: DeepSpeedFiles, path: str, model: Dict[str, Any],
+                  optims: List[Dict[str, Any]], first: Dict[str, Any]) -> Dict[str, TrainedParam]:
+    """One stage's trained parameters from its ranks' flat groups (weights left to the layer
+    files); its optimizer must have stage 0's param groups (``first``: none yet)."""
+    if FP32_FLAT_GROUPS in optims[0]:
+        raise NotImplementedError(f"{path}: this stage's optimizer files are ZeRO stage 3's, "
+                                  "which DeepSpeed does not run with pipelines; not converted.")
+    groups = hyperparameters(optims[0][BASE_OPTIMIZER_STATE]["param_groups"])
+    if first and groups != hyperparameters(first[BASE_OPTIMIZER_STATE]["param_groups"]):
+        raise NotImplementedError(f"{path}: this stage's optimizer has other param groups than "
+                                  "stage 0's; not converted.")
+    scratch = DeepSpeedState.__new__(DeepSpeedState)
+    scratch.params = {}
+    for g, shapes in enumerate(_shapes(model, path)):
+        _read_group12(scratch, files, optims, g, shapes, {})
+    return scratch.params
 
 
 # -- stage 3 ------------------------------------------------------------------------------------

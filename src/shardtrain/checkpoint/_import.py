@@ -54,7 +54,8 @@ def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
 
     Reads a checkpoint that DeepSpeed 0.19 saved with ``engine.save_checkpoint`` at ZeRO stage
     0, 1, 2 or 3 (fp32, bf16 or fp16; any data-parallel world size; at stages 1-2 with the
-    experts of its MoE layers split over expert-parallel ranks), or its universal form
+    experts of its MoE layers split over expert-parallel ranks; a ``PipelineModule``'s stages at
+    stage 1, into the unsplit module under its global layer names), or its universal form
     (``ds_to_universal``), and writes ``<out_dir>/<tag>/`` and ``<out_dir>/latest``.
     ``engine.load_checkpoint(out_dir)`` then resumes it on any world size and stage: the
     weights, the fp32 masters, the optimizer's states and hyperparameters, the counters
@@ -84,8 +85,8 @@ def import_deepspeed(ckpt_dir: str, out_dir: str, tag: Optional[str] = None,
         FileNotFoundError: no such directory, tag or file (the message names it).
         ValueError: not a DeepSpeed checkpoint, a damaged one, a pickled type outside the
             allow-list, or an output that already exists.
-        NotImplementedError: a layout the converter does not read (tensor or pipeline
-            parallel, mixture of experts).
+        NotImplementedError: a layout the converter does not read (tensor parallel, a
+            pipeline at ZeRO stage 0, a mixture of experts at stage 0).
 
     Example:
         >>> import_deepspeed("ds_checkpoints", "checkpoints")
