@@ -31,6 +31,7 @@ from .config import ShardConfig
 from .data import RepeatingLoader
 from .engine import Engine
 from .errors import PipelineError
+from .layout import layout_of
 from .pipe import PipelineModule, read_settings, train_actions, eval_actions
 from .pipe import PipeModelDataParallelTopology
 from .pipe import split_backward
@@ -307,7 +308,7 @@ class PipelineEngine(Engine):
         for tie in self._ties:
             if tie["owner"]:
                 tensor = tie["tie"].tensor
-                shape = getattr(tensor, "ds_shape", tensor.shape)  # whole, if partitioned
+                shape = layout_of(tensor).local_shape  # this rank's whole, at ZeRO-3 too
                 total = torch.zeros(shape, dtype=torch.float32, device=self.device)
                 comm.all_reduce(total, group=tie["group"])
                 owned.append((tie["tie"], total))
