@@ -42,11 +42,14 @@ def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
         _same_as_one_process(result(run, name, rank))
 
 
-@pytest.mark.parametrize("name", ["llama_pp2_dp2_tied_s1", "llama_pp4_s0"])
+@pytest.mark.parametrize("name", ["llama_pp2_dp2_tied_s1", "llama_pp4_s0",
+                                  "llama_pp2_dp2_zbv_tied_s1", "llama_pp2_dp2_interleaved_s2"])
 def test_a_hugging_face_llama_split_by_its_layers_trains_as_one_process(run, name):
     """split_causal_lm on transformers' Llama (tied embedding and head across pp2 x dp2 at
     ZeRO-1; untied on pp4, split by initialize from the config's pipeline.stages, the
-    parameters given before the split kept to this stage's): the whole model's losses,
+    parameters given before the split kept to this stage's; two chunks a stage under the
+    zero-bubble V, tied, split from the config, and under the interleaved schedule at
+    ZeRO-2): the whole model's losses,
     norms and weights under its own names;
     the pp2 checkpoint exports to the Hugging Face layout, which from_pretrained reads back
     as the one-process weights."""

@@ -90,7 +90,9 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
         load_config(config, comm.get_world_size() // stages, data_parallel_world_size=dp)
     asked = cfg.pipeline.get("stages")
     if not isinstance(model, PipelineModule) and isinstance(asked, int) and asked > 1:
-        model = _split_into_stages(model, asked)  # a Hugging Face causal LM, by its layers
+        # a Hugging Face causal LM, by its layers (two chunks a stage for the interleaved and
+        # zero-bubble schedules)
+        model = _split_into_stages(model, asked, str(cfg.pipeline.get("schedule", "1f1b")))
         model_parameters, optimizer = _on_this_stage(model, model_parameters, optimizer)
         stages = asked
         if not isinstance(config, ShardConfig):
@@ -110,12 +112,14 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[torch.
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _split_into_stages(model: torch.nn.Module, stages: int) -> PipelineModule:
+def _split_into_stages(model: torch.nn.Module, stages: int, schedule: str) -> PipelineModule:
     """``pipeline.stages`` > 1 for a model that is not a PipelineModule: a Hugging Face causal
     LM is split by its decoder layers; anything else is refused (DeepSpeed ignores the key)."""
     from .pipe import split_causal_lm
+    chunks = 2 if schedule.lower() in ("interleaved", "zbv") else 1
     try:
-        return split_causal_lm(model, num_stages=stages)
+        return split_causal_lm(model, num_stages=stages, virtual_stages=chunks,
+                               chunk_placement="v" if schedule.lower() == "zbv" else "loop")
     except (NotImplementedError, TypeError) as err:
         raise InitializeError(
             f"the config asks for pipeline.stages {stages}, but the model is a "
