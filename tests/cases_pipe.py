@@ -385,6 +385,28 @@ def case_checkpoint(root: str, moves) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
+def case_save16(root: str) -> Callable[[int, int], Dict[str, Any]]:
+    """save_16bit_model of pp2 x dp2 at ZeRO-3 after two steps: one safetensors file of the
+    whole model (the tied embedding once) equal to one process's weights."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        import safetensors.torch
+        module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True)
+        engine, *_ = shardtrain.initialize(model=module, config=config(4, 3, **ZERO3))
+        data = batches(2, 4, steps=2)
+        replica = engine.mesh.coordinate()["dp"]
+        for step in data:
+            engine.train_batch(iter(step[replica]))
+        engine.save_16bit_model(f"{root}/save16", "model.safetensors")
+        engine.destroy()
+        if rank != 0:
+            return {}
+        full = safetensors.torch.load_file(f"{root}/save16/model.safetensors")
+        ref = one_process(specs(), data, 1.0)[2]
+        return {"names": sorted(full) == sorted(ref),
+                "diff": max((full[n] - ref[n]).abs().max().item() for n in ref)}
+    return case
+
+
 def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
     """ds_pipe_model's training through the alias: the losses DeepSpeed 0.19.8's own
     PipelineEngine recorded (tests/fixtures/deepspeed_pipe)."""
@@ -432,7 +454,6 @@ def case_refusals(rank: int, world: int) -> Dict[str, Any]:
     x = torch.zeros(B, T, dtype=torch.long)
     attempt("forward", lambda: engine(x))
     attempt("step", lambda: engine.step())
-    attempt("save", lambda: engine.save_16bit_model("/nonexistent"))
     mpu = engine.mpu
     out["mpu"] = [mpu.get_pipe_parallel_world_size(), mpu.get_stage_id(),
                   mpu.get_data_parallel_world_size(), mpu.stage_to_global(1),
@@ -471,6 +492,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     from _dist import run_cases
     cases = {
         "checkpoint": case_checkpoint(root, FOUR_RANK_MOVES),
+        "save16": case_save16(root),
         "llama_pp2_dp2_tied_s1": case_llama(2, 1, True, root),
         "llama_pp4_s0": case_llama(4, 0, False, via_config=True),
         # two chunks a stage: the V keeps the tied embedding and head on stage 0

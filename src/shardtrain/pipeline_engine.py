@@ -21,6 +21,7 @@ lists are the same 1F1B, GPipe and interleaved 1F1B orders.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, Optional
 
@@ -31,6 +32,8 @@ from .config import ShardConfig
 from .data import RepeatingLoader
 from .engine import Engine
 from .errors import PipelineError
+from .files import write_weights
+from .full_weights import full_state_dict
 from .layout import layout_of
 from .pipe import PipelineModule, read_settings, train_actions, eval_actions
 from .pipe import PipeModelDataParallelTopology
@@ -360,15 +363,33 @@ class PipelineEngine(Engine):
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
+        """As the engine's, for the whole model: each stage's first rank gathers its layers
+        (with its data- and tensor-parallel ranks) and sends them to rank 0, which writes one
+        file of every stage's weights under the unsplit model's names (a tied weight once)."""
         if self.num_stages == 1:
             return super().save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        frozen = [n for n, p in self.module.named_parameters() if not p.requires_grad] \
+            if exclude_frozen_parameters else []
+        leaders = [self.mesh.rank_at(pp=s, dp=0, sp=0, tp=0) for s in range(self.num_stages)]
+        mine = full_state_dict(self.module, exclude=frozen, rank=leaders[self.stage_id])
+        names = comm.all_gather_object(list(mine) if mine is not None else None)
+        if self.global_rank == 0:
+            state = dict(mine)
+            for leader in leaders[1:]:
+                for name in names[leader]:
+                    state[name] = recv_tensors(leader, self.device, _SAVE_TAG)[0].cpu()
+            write_weights(state, os.path.join(save_dir, save_filename))
+        elif mine is not None:
+            for name in names[self.global_rank]:  # one at a time: the device holds one tensor
+                for work in send_tensors([mine[name].to(self.device)], 0, self.device,
+                                         _SAVE_TAG):
+                    work.wait()
+        comm.barrier()
+        return True
 
 
-_NO_CHECKPOINTS = ("save_16bit_model of a model split into pipeline stages is not supported yet: "
-                   "each stage holds other layers. Save a checkpoint (engine.save_checkpoint) "
-                   "and write the full weights from it with shardtrain.checkpoint.consolidate "
-                   "(or `shardtrain consolidate`).")
+#: the point-to-point tag of save_16bit_model's tensors (a step's use 2 and up)
+_SAVE_TAG = 1
 
 
 def _keep_grad(tensor: torch.Tensor) -> None:
