@@ -104,12 +104,14 @@ TP_BLOCKS = {"autotp_size": 2, "partition_config": {"layer_specs": [
 def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b",
                clip: float = 1.0, tied: bool = True, topology: Optional[Callable] = None,
                extra: Optional[Dict[str, Any]] = None, partition: str = "parameters",
-               chunks: int = 1, placement: str = "loop", middle_tie: bool = False
-               ) -> Callable[[int, int], Dict[str, Any]]:
+               chunks: int = 1, placement: str = "loop", middle_tie: bool = False,
+               head_alone: bool = False) -> Callable[[int, int], Dict[str, Any]]:
     """``train_batch`` on a split of ``stages`` against one process: each step's loss, the
     clipped global norm, and every weight this rank holds."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         layers = specs(tied, middle_tie)
+        if head_alone:  # the embedding, two blocks and the head: on pp4 the last stage
+            layers = layers[:3] + layers[-1:]  # holds the tied head's copy alone
         module = PipelineModule(layers, num_stages=None if topology else stages,
                                 topology=topology(world) if topology else None,
                                 loss_fn=lm_loss, seed_layers=True, partition_method=partition,
@@ -134,7 +136,8 @@ def case_train(stages: int, stage: int = 0, gas: int = 4, schedule: str = "1f1b"
         return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
                 "ref_norms": ref_norms, "names": sorted(got),
                 "missing": sorted(set(got) - set(ref)),
-                "weights": max((got[n] - ref[n]).abs().max().item() for n in got),
+                "weights": max(((got[n] - ref[n]).abs().max().item() for n in got),
+                               default=0.0),
                 "mesh": mesh, "parts": parts, "bytes": bytes_held,
                 "numel": sum(p.numel() for p in got.values())}
     return case
@@ -510,6 +513,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         # ZeRO-3 gathers around each micro-batch's forward and backward, interleaved across
         # micro-batches; the tied embedding's owner reads it whole for the copies
         "pp2_dp2_s3": case_train(2, 3, extra=ZERO3),
+        "pp4_head_alone_s1": case_train(4, 1, partition="uniform", head_alone=True),
         "pp2_dp2_interleaved_s3": case_train(2, 3, schedule="interleaved", chunks=2,
                                              extra=ZERO3),
         # zero bubble: two chunks as a V (stage 0 holds the first and last parts, the loss),

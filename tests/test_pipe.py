@@ -12,7 +12,8 @@ from _dist import result, run_ranks
 ATOL = 1e-5
 TRAINED = ["pp4_s0", "pp2_dp2_s1", "pp2_dp2_s2_gpipe", "pp2_dp2_s0_clip", "pp2_dp2_untied_s2",
            "pp2_tp2_s1", "pp2_dp2_interleaved_s1", "pp4_interleaved_s2", "pp2_dp2_zbv_s1",
-           "pp4_zbv_s2", "pp2_dp2_zbv_middle_tie_s0", "pp2_dp2_s3", "pp2_dp2_interleaved_s3"]
+           "pp4_zbv_s2", "pp2_dp2_zbv_middle_tie_s0", "pp2_dp2_s3", "pp2_dp2_interleaved_s3",
+           "pp4_head_alone_s1"]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,15 @@ def test_train_batch_trains_as_one_process_on_the_global_batch(run, name):
     (ZeRO-1) and pp4 (ZeRO-2), the zero-bubble V (backwards split into input and weight
     halves) on pp2 x dp2 (ZeRO-1, reduced while the weight halves run), pp4 (ZeRO-2) and with
     a weight tied across stages 0 and 1, ZeRO-3 on pp2 x dp2 under 1F1B and the interleaved
-    schedule (every parameter gathered per micro-batch): each step's loss, the clipped norm and every weight each rank
-    holds (tensor-parallel slices joined) equal one process's (fp32)."""
+    schedule (every parameter gathered per micro-batch), a last stage holding the tied head's
+    copy alone (no parameter of its own: an empty optimizer): each step's loss, the clipped
+    norm and every weight each rank holds (tensor-parallel slices joined) equal one
+    process's (fp32)."""
     for rank in range(4):
-        _same_as_one_process(result(run, name, rank))
+        got = result(run, name, rank)
+        _same_as_one_process(got)
+        alone = name == "pp4_head_alone_s1" and rank == 3
+        assert got["names"] == [] if alone else got["names"]
 
 
 @pytest.mark.parametrize("name", ["llama_pp2_dp2_tied_s1", "llama_pp4_s0",
@@ -56,7 +62,7 @@ def test_a_hugging_face_llama_split_by_its_layers_trains_as_one_process(run, nam
     for rank in range(4):
         got = result(run, name, rank)
         _same_as_one_process(got)
-        assert all(n.startswith(("model.", "lm_head.")) for n in got["names"])
+        assert got["names"] and all(n.startswith(("model.", "lm_head.")) for n in got["names"])
     if name == "llama_pp2_dp2_tied_s1":
         assert result(run, name, 0)["exported"] == {"names": True,
                                                     "diff": pytest.approx(0.0, abs=ATOL)}
@@ -66,13 +72,15 @@ def test_a_hugging_face_llama_split_by_its_layers_trains_as_one_process(run, nam
 def test_3d_parallelism_trains_as_one_process(run8, name):
     """pp2 x dp2 x tp2 on 8 ranks at ZeRO-1 and ZeRO-3."""
     for rank in range(8):
-        _same_as_one_process(result(run8, name, rank))
+        got = result(run8, name, rank)
+        _same_as_one_process(got)
+        assert got["names"]
 
 
 def _same_as_one_process(got):
     assert got["losses"] == pytest.approx(got["ref_losses"], abs=ATOL)
     assert got["norms"] == pytest.approx(got["ref_norms"], abs=ATOL)
-    assert got["names"] and not got["missing"], got["missing"]
+    assert not got["missing"], got["missing"]
     assert got["weights"] < ATOL, got["weights"]
 
 

@@ -159,7 +159,9 @@ def build_optimizer(spec: Mapping[str, Any], params: ParamsLike,
     """
     name, kwargs = _split_spec(spec, "optimizer")
     name = _checked_name(name, kwargs)
-    groups = _prepare_params(params)
+    # no parameter at all (a pipeline stage holding only a tied weight's copy): one empty
+    # group, so the optimizer exists, steps nothing and saves an empty state
+    groups = _prepare_params(params) or [{"params": []}]
     if name in ("adam", "adamw"):
         return _build_adam(name, kwargs, groups)
     if name == "muon":
