@@ -835,8 +835,8 @@ def _report_activations(s: Dict[str, Any]) -> None:
     print(f"  {'setup':22} " + " ".join(f"{'stage ' + str(i) + ' alive, KiB':>20}"
                                         for i in range(p)))
     for r in s["rows"]:
-        cells = " ".join(f"{r['in_flight'][i]:3d} ({r['schedule_in_flight'][i]}) "
-                         f"{r['peak_activation_bytes'][i] / kib:10.1f}" for i in range(p))
+        cells = " ".join(f"{r['in_flight'][i]:3d} {'(' + str(r['schedule_in_flight'][i]) + ')':>4} "
+                         f"{r['peak_activation_bytes'][i] / kib:11.1f}" for i in range(p))
         same = r["peak_activation_bytes"] == r["schedule_peak_bytes"]
         print(f"  {r['engine'] + ' ' + r['schedule']:22} {cells}"
               + ("" if same else "  (bytes differ from the action list's)"))
