@@ -1,34 +1,42 @@
 """Pipeline parallelism: shardtrain's ``PipelineEngine`` and ``torch.distributed.pipelining``
-driving the same split of the same model, side by side in one run, for three schedules
-(1F1B, GPipe and the zero-bubble V): step time, the share of a step each stage idles against
+driving the same split of the same model, side by side in one run, for four schedules
+(1F1B, GPipe, interleaved 1F1B and the zero-bubble V): step time, the share of a step each stage idles against
 the schedule's theoretical bubble, the bytes each rank sends per step against the analytic
 volume, and the activations each stage keeps at its peak.
 
 The model: an embedding (vocabulary V, width H), L blocks ``x + W2(gelu(W1(LayerNorm(x))))``
 (W1: H -> 4H) and a head (LayerNorm, then H -> V) with the cross-entropy. For 1F1B and GPipe
 it is cut into P stages with ``partition_method="type:Block"`` (the blocks shared out evenly,
-the embedding on the first stage, the head and the loss on the last); for the zero-bubble V
-into 2P parts the same way (``virtual_stages=2, chunk_placement="v"``: L >= 2P), stage s
-holding parts s (its chunk 0) and 2P - 1 - s (its chunk 1), so stage 0 holds the embedding
-and the head and computes the loss, and stage P - 1 hands its chunk 0's output to its own
-chunk 1 without a send. The ranks: W (gloo, CPU, one torch thread each; ``W / P``
-data-parallel replicas). A step is M micro-batches of B rows of T tokens per replica, then
-AdamW (lr 1e-3, no weight decay, no clipping).
+the embedding on the first stage, the head and the loss on the last); for the interleaved
+schedule and the zero-bubble V into 2P parts the same way (``virtual_stages=2``: L >= 2P).
+Interleaved places them in a loop (``chunk_placement="loop"``, the default): stage s holds
+parts s (its chunk 0) and s + P (its chunk 1), a micro-batch goes round the stages twice,
+the last stage's chunk 0 sending to the first stage's chunk 1, and the loss is on stage
+P - 1; shardtrain's order runs the micro-batches in groups of P, so M must be a multiple of
+P. The zero-bubble V (``chunk_placement="v"``): stage s holds parts s (its chunk 0) and
+2P - 1 - s (its chunk 1), so stage 0 holds the embedding and the head and computes the loss,
+and stage P - 1 hands its chunk 0's output to its own chunk 1 without a send. The ranks: W
+(gloo, CPU, one torch thread each; ``W / P`` data-parallel replicas). A step is M
+micro-batches of B rows of T tokens per replica, then AdamW (lr 1e-3, no weight decay, no
+clipping).
 
-Six setups run in the same processes, one step each in turn (the order rotating every
+Eight setups run in the same processes, one step each in turn (the order rotating every
 round, a barrier before every step), so drift on a shared machine hits all of them alike:
 
-* ``shardtrain 1f1b``, ``shardtrain gpipe`` and ``shardtrain zbv``: ``shardtrain.initialize``
-  on a ``PipelineModule(..., seed_layers=True)`` (two chunks placed as a V for zbv) with
-  ``"pipeline": {"schedule": ...}``, ``engine.train_batch(iterator of M (inputs, labels))``;
-* ``torch 1f1b``, ``torch gpipe`` and ``torch zbv``: the same layers built with the same seeds
-  (checked equal to the engine's of the same schedule, weight for weight) in a plain module
-  per part, each wrapped in ``torch.distributed.pipelining.PipelineStage`` (stage index = the
-  part; two per rank for zbv, parts s and 2P - 1 - s of 2P) and driven by ``Schedule1F1B``,
-  ``ScheduleGPipe`` or ``ScheduleZBVZeroBubble`` (``step(x)`` on the rank holding the first
-  part, ``step(target=y, losses=...)`` on the rank holding the last: one call with both on
-  stage 0 in a V; the same loss function, gradients scaled by 1/M), gradients averaged over
-  the replicas by ``all_reduce`` when there are several, then ``torch.optim.AdamW``.
+* ``shardtrain 1f1b``, ``gpipe``, ``interleaved`` and ``zbv``: ``shardtrain.initialize`` on a
+  ``PipelineModule(..., seed_layers=True)`` (two chunks, in a loop for interleaved, as a V for
+  zbv) with ``"pipeline": {"schedule": ...}``,
+  ``engine.train_batch(iterator of M (inputs, labels))``;
+* ``torch 1f1b``, ``gpipe``, ``interleaved`` and ``zbv``: the same layers built with the same
+  seeds (checked equal to the engine's of the same schedule, weight for weight) in a plain
+  module per part, each wrapped in ``torch.distributed.pipelining.PipelineStage`` (stage
+  index = the part; two per rank for interleaved, parts s and s + P of 2P, and for zbv, parts
+  s and 2P - 1 - s) and driven by ``Schedule1F1B``, ``ScheduleGPipe``,
+  ``ScheduleInterleaved1F1B`` or ``ScheduleZBVZeroBubble`` (``step(x)`` on the rank holding
+  the first part, ``step(target=y, losses=...)`` on the rank holding the last: one call with
+  both on stage 0 in a V; the same loss function, gradients scaled by 1/M), gradients
+  averaged over the replicas by ``all_reduce`` when there are several, then
+  ``torch.optim.AdamW``.
 
 Every setup starts from the same weights and reads the same batches, so their losses agree;
 the first step's loss (no update yet) must agree to rounding between the two engines of a
@@ -59,9 +67,12 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   All of these are wall-clock times, so time a rank spends descheduled counts where it falls.
   The theoretical bubble, printed per schedule: ``(P - 1) / (M + P - 1)`` for 1F1B and GPipe
   (every stage idles ``P - 1`` of ``M + P - 1`` slots of one forward and backward, with equal
-  stage times and free communication); for zbv ``shardtrain.pipe.bubble_fraction(P, M,
-  schedule="zbv")``, the idle share of the simulation shardtrain's zbv order comes from
-  (equal forward, input-backward and weight-backward times; torch's ZBV order is its own).
+  stage times and free communication); for interleaved
+  ``shardtrain.pipe.bubble_fraction(P, M, chunks=2)`` = ``(P - 1) / (2 M + P - 1)`` (the
+  same ``P - 1`` slots, each half as long, as a stage runs two chunks of half the layers);
+  for zbv ``shardtrain.pipe.bubble_fraction(P, M, schedule="zbv")``, the idle share of the
+  simulation shardtrain's zbv order comes from (equal forward, input-backward and
+  weight-backward times; torch's ZBV order is its own).
   Here the ranks share 2 cores, so a stage's compute is slower while the others compute and
   faster while they idle, and the measured idle departs from the theory.
 
@@ -73,11 +84,17 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   ``4 B T H`` bytes each (fp32); shardtrain adds to each message its 64-int64 header (512
   bytes) saying the dtype and shape of what follows:
   ``M * (not last + not first) * (4 B T H + 512)`` bytes (torch: without the 512; its shapes
-  are agreed once, on its first step). zbv sends twice that: chunk 0's output forward and
-  chunk 1's input gradient back unless s = P - 1 (the turn of the V, local), chunk 1's output
-  forward and chunk 0's input gradient back unless s = 0 (the loss and the data are there):
-  ``M * 2 * (not last + not first) * (4 B T H + 512)``. The other collectives (the loss, the
-  norm) are counted apart.
+  are agreed once, on its first step). With two chunks, each part a stage holds sends its
+  output forward unless it is the model's last, and its input's gradient back unless it is
+  the first, when the neighbouring part is on another rank. Interleaved (loop): chunk 0
+  always sends forward (to stage s + 1's chunk 0, or from s = P - 1 to stage 0's chunk 1),
+  chunk 1 unless s = P - 1 (the loss); chunk 1 always sends a gradient back (from s = 0 to
+  stage P - 1's chunk 0), chunk 0 unless s = 0 (the data):
+  ``M * (2 + not last + not first) * (4 B T H + 512)``. zbv sends twice the one-chunk
+  volume: chunk 0's output forward and chunk 1's input gradient back unless s = P - 1 (the
+  turn of the V, local), chunk 1's output forward and chunk 0's input gradient back unless
+  s = 0 (the loss and the data are there): ``M * 2 * (not last + not first) * (4 B T H +
+  512)``. The other collectives (the loss, the norm) are counted apart.
 
 * **peak activation memory per stage**: the bytes one micro-batch keeps in each part of the
   model (the tensors autograd saves for backward in one forward of the part's layers, and the
@@ -89,15 +106,17 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   backward, or, when the backward is split (zbv), to its weight half: between the two halves
   part of what it saved is already free, so for zbv the figure is an upper bound. Counted
   while the schedule runs, on each engine (the most pairs alive and the most bytes), next to
-  what the schedule's own action list implies (shardtrain's lists; torch's ZBV
-  ``pipeline_order``; 1F1B: ``min(P - s, M)`` at stage s, GPipe ``M``). This is the CPU
+  what the schedule's own action list implies (shardtrain's lists; torch's interleaved and
+  ZBV ``pipeline_order``; 1F1B: ``min(P - s, M)`` at stage s, GPipe ``M``). This is the CPU
   stand-in: the CPU has no allocator peak to read; on CUDA one would read
   ``torch.cuda.max_memory_allocated`` over the step instead.
 
 torch's pipelining runs on gloo and the CPU as is in torch 2.13 (shapes inferred on the first
-step, then ``isend``/``irecv``), ``ScheduleZBVZeroBubble`` included. Should one of its
-schedules fail to build or to step here, the run reports the error in its place instead of
-stopping (``Schedule1F1B`` wants M >= P).
+step, then ``isend``/``irecv``), ``ScheduleInterleaved1F1B`` and ``ScheduleZBVZeroBubble``
+included. Should one of its schedules fail to build or to step here, the run reports the
+error in its place instead of stopping. M must be a multiple of P (shardtrain's interleaved
+order); that meets torch's conditions too (``Schedule1F1B`` wants M >= P,
+``ScheduleInterleaved1F1B`` M a multiple of its rounds, ``max(1, M // P)``).
 
     python benchmarks/bench_pipe.py                     # 4 ranks, 4 stages, 8 micro-batches
     python benchmarks/bench_pipe.py --tiny              # the smoke run: 2 ranks, seconds
@@ -120,7 +139,8 @@ from torch import nn
 from _ranks import run_ranks  # noqa: E402  (next to this file)
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULES = ("1f1b", "gpipe", "zbv")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv")
+CHUNKED = ("interleaved", "zbv")  # the schedules that run two chunks of layers per rank
 SPLIT = ("zbv",)  # the schedules that split a backward into its input and weight halves
 HEADER_BYTES = 64 * 8  # shardtrain's header before each message: 64 int64 words
 BASE_SEED = 1234  # PipelineModule's default base_seed: layer i is built after seeding 1234 + i
@@ -152,9 +172,13 @@ def parse_args(argv=None):
     if args.stages < 2 or args.world % args.stages:
         p.error(f"--stages must be at least 2 and divide --world {args.world}")
     if args.layers < 2 * args.stages:
-        p.error(f"--layers {args.layers}: zbv cuts the blocks into 2 x {args.stages} parts (two "
-                f"chunks a stage), one block at least each: give --layers {2 * args.stages} "
-                f"or more")
+        p.error(f"--layers {args.layers}: interleaved and zbv cut the blocks into "
+                f"2 x {args.stages} parts (two chunks a stage), one block at least each: give "
+                f"--layers {2 * args.stages} or more")
+    if args.micro_batches % args.stages:
+        p.error(f"--micro-batches {args.micro_batches}: shardtrain's interleaved schedule runs "
+                f"the micro-batches in groups of the {args.stages} stages: give a multiple of "
+                f"{args.stages}")
     return args
 
 
@@ -292,7 +316,7 @@ class Probe:
 
     def start(self, chunk_bytes: List[int]) -> Dict[str, Any]:
         """A step's record; ``chunk_bytes``: what one micro-batch keeps alive in each of this
-        rank's chunks of layers (one chunk but with zbv)."""
+        rank's chunks of layers (one chunk but with interleaved and zbv)."""
         self.chunk_bytes = chunk_bytes
         self.rec = {"busy": 0.0, "wait": 0.0, "alive": [0] * len(chunk_bytes), "in_flight": 0,
                     "peak_bytes": 0, "sent": 0, "other": 0, "span_end": 0.0}
@@ -408,11 +432,11 @@ class ShardtrainSetup:
         from shardtrain.pipe import PipelineModule
         self.name, self.engine_name, self.schedule = f"shardtrain {schedule}", "shardtrain", schedule
         self.probe = probe
-        chunks = 2 if schedule == "zbv" else 1
+        chunks = 2 if schedule in CHUNKED else 1
         module = PipelineModule(layer_specs(args), num_stages=args.stages, loss_fn=lm_loss,
                                 seed_layers=True, base_seed=BASE_SEED,
                                 partition_method="type:Block", virtual_stages=chunks,
-                                chunk_placement="v" if chunks == 2 else "loop")
+                                chunk_placement="v" if schedule == "zbv" else "loop")
         config = {"train_micro_batch_size_per_gpu": args.batch,
                   "gradient_accumulation_steps": args.micro_batches,
                   "gradient_clipping": 0.0, "zero_optimization": {"stage": 0},
@@ -451,7 +475,7 @@ class ShardtrainSetup:
 
 class TorchSetup:
     """torch's pipelining on the split of ``twin`` (the shardtrain setup of the same
-    schedule): one ``PipelineStage`` per part this rank holds (two for zbv)."""
+    schedule): one ``PipelineStage`` per part this rank holds (two for interleaved and zbv)."""
 
     def __init__(self, args, schedule: str, probe: Probe, layout: Dict[str, Any],
                  twin: ShardtrainSetup):
@@ -469,6 +493,7 @@ class TorchSetup:
                                            group=layout["pp_group"])
                   for m, k in zip(self.modules, self.part_ids)]
         kinds = {"1f1b": pipelining.Schedule1F1B, "gpipe": pipelining.ScheduleGPipe,
+                 "interleaved": pipelining.ScheduleInterleaved1F1B,
                  "zbv": pipelining.ScheduleZBVZeroBubble}
         if schedule not in kinds:
             raise ValueError(f"no torch schedule for {schedule!r}: one of {', '.join(kinds)}")
@@ -624,18 +649,39 @@ def _worker(rank, world, port, args, queue):
 
 def theory_bubble(stages: int, micro: int, schedule: str = "1f1b") -> float:
     """The share of a step each stage idles with equal stage times and free sends."""
+    from shardtrain.pipe import bubble_fraction
     if schedule == "zbv":
-        from shardtrain.pipe import bubble_fraction
         return bubble_fraction(stages, micro, schedule="zbv")
+    if schedule == "interleaved":
+        return bubble_fraction(stages, micro, chunks=2)
     return (stages - 1) / (micro + stages - 1)
 
 
+def held_parts(stage: int, stages: int, schedule: str) -> List[int]:
+    """The parts of the model ``stage`` holds, chunk by chunk: one part, or of 2P parts
+    ``s`` and ``s + P`` (interleaved, in a loop) or ``s`` and ``2P - 1 - s`` (zbv, a V)."""
+    if schedule == "interleaved":
+        return [stage, stage + stages]
+    if schedule == "zbv":
+        return [stage, 2 * stages - 1 - stage]
+    return [stage]
+
+
+def loss_stage(stages: int, schedule: str) -> int:
+    """The stage holding the model's last part, where the loss is computed."""
+    last = stages * len(held_parts(0, stages, schedule)) - 1
+    return next(t for t in range(stages) if last in held_parts(t, stages, schedule))
+
+
 def analytic_sent(args, stage: int, schedule: str, header: bool) -> int:
-    """Bytes a rank of ``stage`` sends per step (see the module docstring)."""
-    p = args.stages
-    per_micro = (stage < p - 1) + (stage > 0)
-    if schedule == "zbv":  # both chunks, each way; the turn at the last stage is local
-        per_micro *= 2
+    """Bytes a rank of ``stage`` sends per step (see the module docstring): per micro-batch,
+    each part it holds sends its output forward unless it is the model's last part, and its
+    input's gradient back unless it is the first, each time the neighbouring part is on
+    another rank (the turn of a V stays on the rank)."""
+    mine = held_parts(stage, args.stages, schedule)
+    total = len(mine) * args.stages
+    per_micro = sum((k + 1 < total and k + 1 not in mine) + (k > 0 and k - 1 not in mine)
+                    for k in mine)
     return args.micro_batches * per_micro * (4 * args.batch * args.seq * args.hidden
                                              + (HEADER_BYTES if header else 0))
 
@@ -675,8 +721,7 @@ def summarize(args, result: Dict[str, Any]) -> Dict[str, Any]:
         slowest = [max(r["records"][name][i]["step"] for r in ranks)
                    for i in range(len(ranks[0]["records"][name]))]
         # torch's loss is on the stage holding the model's last part: stage 0 in a V
-        loss_stage = 0 if schedule == "zbv" else stages - 1
-        loss_ranks = [r for r in ranks if r["stage"] == loss_stage]
+        loss_ranks = [r for r in ranks if r["stage"] == loss_stage(stages, schedule)]
         losses = [statistics.fmean(r["losses"][name][i] for r in loss_ranks)
                   for i in range(len(loss_ranks[0]["losses"][name]))]
         rows.append({
@@ -714,8 +759,8 @@ def report(s: Dict[str, Any]) -> None:
           f"torch {s['torch']}")
     print("layer boundaries of the parts: " + "; ".join(
         f"{name.split()[1]} {parts}" for name, parts in s["parts"].items())
-        + f" (zbv: stage s holds parts s and {2 * p - 1} - s); torch's stage weights equal the "
-        f"engine's: max |diff| {s['weight_diff']:.1e}")
+        + f" (interleaved: stage s holds parts s and s + {p}; zbv: s and {2 * p - 1} - s); "
+        f"torch's stage weights equal the engine's: max |diff| {s['weight_diff']:.1e}")
     for name, error in s["errors"].items():
         print(f"  {name}: did not run here: {error}")
     _report_steps(s)
@@ -726,7 +771,7 @@ def report(s: Dict[str, Any]) -> None:
 
 def _report_steps(s: Dict[str, Any]) -> None:
     print(f"\nstep time (median over {s['steps']} steps of the slowest rank)")
-    print(f"  {'schedule':8} {'shardtrain ms':>13} {'torch ms':>9} {'ratio':>6}  "
+    print(f"  {'schedule':11} {'shardtrain ms':>13} {'torch ms':>9} {'ratio':>6}  "
           f"{'step-1 loss shardtrain':>22} {'torch':>9} {'|diff|':>8} {'max |diff| all':>14}")
     for schedule in SCHEDULES:
         pair = {r["engine"]: r for r in s["rows"] if r["schedule"] == schedule}
@@ -734,7 +779,7 @@ def _report_steps(s: Dict[str, Any]) -> None:
         if ours is None:
             continue
         loss = s["first_step_loss"].get(schedule)
-        print(f"  {schedule:8} {ours['step_s'] * 1e3:13.1f} "
+        print(f"  {schedule:11} {ours['step_s'] * 1e3:13.1f} "
               + (f"{theirs['step_s'] * 1e3:9.1f} {s['ratios'][schedule]:6.3f}  "
                  f"{loss['shardtrain']:22.6f} {loss['torch']:9.6f} {loss['diff']:8.1e} "
                  f"{loss['max_diff_all_steps']:14.1e}" if theirs else f"{'-':>9} {'-':>6}"))
@@ -745,13 +790,13 @@ def _report_steps(s: Dict[str, Any]) -> None:
 def _report_idle(s: Dict[str, Any]) -> None:
     p = s["stages"]
     print("\nidle share of the pipelined span per stage (1 - busy / span), wait share in "
-          "brackets; theory: (P-1)/(M+P-1) for 1f1b and gpipe, the simulated zbv schedule's "
-          "for zbv")
-    print(f"  {'setup':16} " + " ".join(f"{'stage ' + str(i):>16}" for i in range(p))
+          "brackets; theory: (P-1)/(M+P-1) for 1f1b and gpipe, (P-1)/(2M+P-1) for "
+          "interleaved, the simulated zbv schedule's for zbv")
+    print(f"  {'setup':22} " + " ".join(f"{'stage ' + str(i):>16}" for i in range(p))
           + f" {'theory':>7} {'span ms':>8} {'busy ms':>8}")
     for r in s["rows"]:
         cells = " ".join(f"{r['idle'][i]:8.3f} ({r['wait'][i]:.3f})" for i in range(p))
-        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells} {r['theory_bubble']:7.3f} "
+        print(f"  {r['engine'] + ' ' + r['schedule']:22} {cells} {r['theory_bubble']:7.3f} "
               f"{max(r['span_s']) * 1e3:8.1f} {statistics.fmean(r['busy_s']) * 1e3:8.1f}")
     print("  span: the longest stage's median; busy: the stages' mean of their median compute "
           "time per step")
@@ -761,14 +806,14 @@ def _report_bytes(s: Dict[str, Any]) -> None:
     p, kib = s["stages"], 1024
     print("\nbytes sent per rank per step, measured / analytic (KiB); shardtrain's include a "
           "512-byte header per message")
-    print(f"  {'setup':16} " + " ".join(f"{'stage ' + str(i):>19}" for i in range(p))
+    print(f"  {'setup':22} " + " ".join(f"{'stage ' + str(i):>19}" for i in range(p))
           + "  other collectives")
     for r in s["rows"]:
         cells = " ".join(f"{r['sent'][i] / kib:9.1f} / {r['analytic_sent'][i] / kib:7.1f}"
                          for i in range(p))
         exact = "exact" if r["sent"] == r["analytic_sent"] else "DIFFERS"
         other = f"{max(r['other'])} B" if r["engine"] == "shardtrain" else "-"
-        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells}  {other:>17}  ({exact})")
+        print(f"  {r['engine'] + ' ' + r['schedule']:22} {cells}  {other:>17}  ({exact})")
     print("  other collectives: the largest rank's bytes to shardtrain's other collectives "
           "(loss, norm, and with replicas the gradient reduction); torch's all-reduce of "
           "gradients over replicas is not counted")
@@ -787,13 +832,13 @@ def _report_activations(s: Dict[str, Any]) -> None:
         print(f"  saved per micro-batch (KiB), {', '.join(schedules)}: " + ", ".join(
             f"stage {i} " + " + ".join(f"{b / kib:.1f}" for b in chunks)
             for i, chunks in enumerate(json.loads(saved))))
-    print(f"  {'setup':16} " + " ".join(f"{'stage ' + str(i) + ' alive, KiB':>20}"
+    print(f"  {'setup':22} " + " ".join(f"{'stage ' + str(i) + ' alive, KiB':>20}"
                                         for i in range(p)))
     for r in s["rows"]:
-        cells = " ".join(f"{r['in_flight'][i]:3d} ({r['schedule_in_flight'][i]}) "
-                         f"{r['peak_activation_bytes'][i] / kib:10.1f}" for i in range(p))
+        cells = " ".join(f"{r['in_flight'][i]:3d} {'(' + str(r['schedule_in_flight'][i]) + ')':>4} "
+                         f"{r['peak_activation_bytes'][i] / kib:11.1f}" for i in range(p))
         same = r["peak_activation_bytes"] == r["schedule_peak_bytes"]
-        print(f"  {r['engine'] + ' ' + r['schedule']:16} {cells}"
+        print(f"  {r['engine'] + ' ' + r['schedule']:22} {cells}"
               + ("" if same else "  (bytes differ from the action list's)"))
     print("  alive: the most micro-batches' chunk activations alive at once, counted while the "
           "schedule ran (in brackets: as its own action list implies); zbv keeps a chunk's "
