@@ -410,13 +410,29 @@ def case_save16(root: str) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
-def case_deepspeeds_losses(stage: int) -> Callable[[int, int], Dict[str, Any]]:
+def case_deepspeeds_losses(stage: int, dualpipev: bool = False
+                           ) -> Callable[[int, int], Dict[str, Any]]:
     """ds_pipe_model's training through the alias: the losses DeepSpeed 0.19.8's own
-    PipelineEngine recorded (tests/fixtures/deepspeed_pipe)."""
+    PipelineEngine (``dualpipev``: DualPipeVEngine) recorded (tests/fixtures/deepspeed_pipe)."""
     def case(rank: int, world: int) -> Dict[str, Any]:
         import deepspeed
         import ds_pipe_model
-        return {"losses": ds_pipe_model.train(deepspeed, stage)}
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+        seen: Dict[str, Any] = {}
+        initialize = deepspeed.initialize
+
+        def recorded(*args, **kwargs):  # which engine and schedule initialize returned
+            out = initialize(*args, **kwargs)
+            seen.update(engine=isinstance(out[0], DualPipeVEngine),
+                        schedule=out[0]._settings.schedule, first=out[0].is_first_stage(),
+                        last=out[0].is_last_stage())
+            return out
+        deepspeed.initialize = recorded
+        try:
+            losses = ds_pipe_model.train(deepspeed, stage, dualpipev=dualpipev)
+        finally:
+            deepspeed.initialize = initialize
+        return {"losses": losses, **seen}
     return case
 
 
@@ -526,6 +542,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
         "eval_v": lambda rank, world: case_eval(rank, world, v=True),
         "deepspeed_example": case_deepspeed_example,
         "deepspeed_s0": case_deepspeeds_losses(0), "deepspeed_s1": case_deepspeeds_losses(1),
+        "deepspeed_dualpipev": case_deepspeeds_losses(1, dualpipev=True),
         "refusals": case_refusals,
     }
     return run_cases(cases, rank, world_size)

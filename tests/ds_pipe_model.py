@@ -58,10 +58,16 @@ def micro_batches(step: int, replica: int) -> List[tuple]:
             for _ in range(GAS)]
 
 
-def module(deepspeed: Any, stages: int = STAGES, partition: str = "uniform") -> Any:
+def module(deepspeed: Any, stages: int = STAGES, partition: str = "uniform",
+           dualpipev: bool = False) -> Any:
+    """The PipelineModule (``dualpipev``: DeepSpeed's DualPipeVModule, two stages a rank
+    placed as a V)."""
     from deepspeed.pipe import PipelineModule
-    return PipelineModule(layers=layers(deepspeed), num_stages=stages, loss_fn=lm_loss,
-                          partition_method=partition, seed_layers=True, base_seed=1234)
+    kind = PipelineModule
+    if dualpipev:
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule as kind
+    return kind(layers=layers(deepspeed), num_stages=stages, loss_fn=lm_loss,
+                partition_method=partition, seed_layers=True, base_seed=1234)
 
 
 def engine_for(deepspeed: Any, net: Any, stage: int, bf16: bool = False,
@@ -82,10 +88,10 @@ def steps(engine: Any, first: int, last: int) -> List[float]:
 
 
 def train(deepspeed: Any, stage: int, save_dir: Optional[str] = None,
-          bf16: bool = False) -> List[float]:
+          bf16: bool = False, dualpipev: bool = False) -> List[float]:
     """STEPS steps of ``train_batch`` from the same layer seeds, each step's loss; with
     ``save_dir``, ``save_checkpoint(save_dir)`` after SAVED_AT steps."""
-    engine = engine_for(deepspeed, module(deepspeed), stage, bf16)
+    engine = engine_for(deepspeed, module(deepspeed, dualpipev=dualpipev), stage, bf16)
     losses = steps(engine, 0, SAVED_AT)
     if save_dir is not None:
         engine.save_checkpoint(save_dir)

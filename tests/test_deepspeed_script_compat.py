@@ -281,9 +281,13 @@ API: List[Api] = [
     Api("runtime.pipe.module.PipelineError", "supported", "is `shardtrain.errors.PipelineError`"),
     Api("utils.RepeatingLoader", "supported",
         "restarts the loader at its end (also `deepspeed.runtime.dataloader.RepeatingLoader`)"),
-    Api("runtime.pipe.dualpipev", "not provided",
-        "DualPipeV: importing it raises ModuleNotFoundError naming it; so do "
-        "`runtime.pipe.schedule` and `runtime.pipe.p2p`"),
+    Api("runtime.pipe.dualpipev.DualPipeVModule", "supported",
+        "a `PipelineModule` of two chunks a stage placed as a V (DualPipeV's placement), trained "
+        "by shardtrain's zero-bubble V schedule (`zbv`): DeepSpeed's DualPipeV losses; "
+        "`DualPipeVEngine` is `PipelineEngine`"),
+    Api("runtime.pipe.schedule", "not provided",
+        "DeepSpeed's pipeline instruction classes: importing it raises ModuleNotFoundError "
+        "naming it; so does `runtime.pipe.p2p`"),
     Api("runtime.sequence_parallel.ulysses_sp.TiledMLP", "supported",
         "is `shardtrain.parallel.TiledMLP`: the MLP tile by tile along the sequence, only its "
         "input saved for backward; the parameters' gradient arrives once (no `ds_grad_is_ready`)"),

@@ -185,6 +185,23 @@ def test_deepspeeds_own_pipeline_losses_through_the_alias(run):
     assert expected["s0"][2] != pytest.approx(expected["s1"][2], abs=1e-4)
 
 
+def test_deepspeeds_dualpipev_script_runs_on_the_zero_bubble_v(run):
+    """ds_pipe_model as DeepSpeed's DualPipeVModule (``deepspeed.runtime.pipe.dualpipev``,
+    through the alias): initialize returns the engine DeepSpeed names DualPipeVEngine, trains it
+    with the zero-bubble V (the config names no schedule), stage 0 reading the data and
+    computing the loss, and gives the losses DeepSpeed 0.19.8's own DualPipeVEngine gave at
+    ZeRO-1."""
+    import json
+    from pathlib import Path
+    expected = json.loads((Path(__file__).parent / "fixtures" / "deepspeed_pipe" /
+                           "expected.json").read_text())["dualpipev"]["s1"]
+    for rank in range(4):
+        got = result(run, "deepspeed_dualpipev", rank)
+        assert got["losses"] == pytest.approx(expected, abs=ATOL), rank
+        assert (got["engine"], got["schedule"]) == (True, "zbv")
+        assert got["first"] == got["last"] == (rank < 2)
+
+
 def test_mistakes_are_named(run):
     got = result(run, "refusals", 0)
     assert "does not divide the world size 4" in got["num_stages"]

@@ -21,6 +21,7 @@ lists are the same 1F1B, GPipe and interleaved 1F1B orders.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections import deque
 from typing import Any, Deque, Dict, Iterator, List, Optional
@@ -66,6 +67,10 @@ class PipelineEngine(Engine):
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(model).__name__}.")
         self._settings = read_settings(config.pipeline)
+        if "schedule" not in config.pipeline and model.virtual_stages > 1:
+            # the schedule the module's chunks are placed for (a DualPipeVModule's V)
+            self._settings = dataclasses.replace(
+                self._settings, schedule="zbv" if model.chunk_placement == "v" else "interleaved")
         if self._settings.schedule in SPLIT_BACKWARD and config.zero_optimization.stage == 3:
             raise NotImplementedError(
                 f"pipeline.schedule {self._settings.schedule!r} with ZeRO stage 3 is not "

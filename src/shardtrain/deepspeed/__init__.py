@@ -37,6 +37,7 @@ from .runtime.base_optimizer import DeepSpeedOptimizer
 from .runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from .runtime.engine import DeepSpeedOptimizerCallable, DeepSpeedSchedulerCallable
 from .runtime.pipe.engine import PipelineEngine
+from .runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from .pipe import PipelineModule
 from .utils import OnDevice
 
@@ -88,6 +89,7 @@ __all__ = [
     "log_dist_once", "logger", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__",
     "version", "git_hash", "git_branch", "init_inference", "default_inference_config",
     "tp_model_init", "set_autotp_mode", "replace_transformer_layer", "PipelineModule",
-    "PipelineEngine", "InferenceEngine", "DeepSpeedInferenceConfig", "DeepSpeedHybridEngine",
-    "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
+    "PipelineEngine", "DualPipeVEngine", "DualPipeVModule", "InferenceEngine",
+    "DeepSpeedInferenceConfig", "DeepSpeedHybridEngine", "DeepSpeedTransformerLayer",
+    "DeepSpeedTransformerConfig",
 ]

@@ -39,8 +39,6 @@ MISSING_MODULES: Dict[str, Tuple[str, str]] = {
                             "run the trained torch module directly, or torch.compile it"),
     "deepspeed.module_inject": ("kernel injection and DeepSpeed's AutoTP layer classes "
                                 "(only module_inject.layers.set_autotp_mode is provided)", _TP),
-    "deepspeed.runtime.pipe.dualpipev": ("DualPipeV (DualPipeVModule, DualPipeVEngine)",
-                                         "PipelineModule with pipeline.schedule \"1f1b\""),
     "deepspeed.runtime.pipe.schedule": ("DeepSpeed's pipeline instruction classes "
                                         "(TrainSchedule, PipeInstruction)",
                                         "the pipeline block's schedule key"),
