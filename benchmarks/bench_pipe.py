@@ -81,8 +81,9 @@ counted; figures are medians over the timed steps, per stage the mean over repli
   operations its schedules batch (``schedules._batch_p2p`` wrapped). The analytic volume, per
   micro-batch: a stage that is not the last sends its output activation ``[B, T, H]`` forward
   once, a stage that is not the first sends its input's gradient ``[B, T, H]`` back once,
-  ``4 B T H`` bytes each (fp32); shardtrain adds to each message its 64-int64 header (512
-  bytes) saying the dtype and shape of what follows:
+  ``4 B T H`` bytes each (fp32); shardtrain's message starts with its 64-int64 header (512
+  bytes) saying the dtype and shape of what follows (header and tensors travel as one
+  message; a channel's first message, in the warm-up step, is announced by one more):
   ``M * (not last + not first) * (4 B T H + 512)`` bytes (torch: without the 512; its shapes
   are agreed once, on its first step). With two chunks, each part a stage holds sends its
   output forward unless it is the model's last, and its input's gradient back unless it is

@@ -388,6 +388,26 @@ def case_checkpoint(root: str, moves) -> Callable[[int, int], Dict[str, Any]]:
     return case
 
 
+def case_shapes(schedule: str) -> Callable[[int, int], Dict[str, Any]]:
+    """Micro-batches of 6, 4, 4 and 5 tokens (the activations change shape between them, and
+    back) on pp2 x dp2 at ZeRO-1, against one process."""
+    def case(rank: int, world: int) -> Dict[str, Any]:
+        v = schedule == "zbv"
+        module = PipelineModule(specs(), num_stages=2, loss_fn=lm_loss, seed_layers=True,
+                                virtual_stages=2 if v else 1, chunk_placement="v" if v else "loop")
+        engine, *_ = shardtrain.initialize(model=module, config=config(
+            4, 1, pipeline={"schedule": schedule}))
+        g = torch.Generator().manual_seed(SEED)
+        data = [[[(torch.randint(0, V, (B, t), generator=g),
+                   torch.randint(0, V, (B, t), generator=g)) for t in (6, 4, 4, 5)]
+                 for _ in range(2)] for _ in range(2)]
+        replica = engine.mesh.coordinate()["dp"]
+        losses = [float(engine.train_batch(iter(step[replica]))) for step in data]
+        engine.destroy()
+        return {"losses": losses, "ref": one_process(specs(), data, 1.0)[0]}
+    return case
+
+
 def case_save16(root: str) -> Callable[[int, int], Dict[str, Any]]:
     """save_16bit_model of pp2 x dp2 at ZeRO-3 after two steps: one safetensors file of the
     whole model (the tied embedding once) equal to one process's weights."""
@@ -512,6 +532,7 @@ def all_cases(rank: int, world_size: int, root: str = "") -> Dict[str, Any]:
     cases = {
         "checkpoint": case_checkpoint(root, FOUR_RANK_MOVES),
         "save16": case_save16(root),
+        "shapes_1f1b": case_shapes("1f1b"), "shapes_zbv": case_shapes("zbv"),
         "llama_pp2_dp2_tied_s1": case_llama(2, 1, True, root),
         "llama_pp4_s0": case_llama(4, 0, False, via_config=True),
         # two chunks a stage: the V keeps the tied embedding and head on stage 0

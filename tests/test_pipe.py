@@ -163,6 +163,15 @@ def test_checkpoints_move_between_pipeline_sizes_and_meshes(run, run8, world):
         "names": True, "diff": pytest.approx(0.0, abs=ATOL)}
 
 
+@pytest.mark.parametrize("name", ["shapes_1f1b", "shapes_zbv"])
+def test_activations_may_change_shape_between_micro_batches(run, name):
+    """Sequences of 6, 4, 4 and 5 tokens in one step: each message says its shapes, and a
+    message whose size changes is announced to the receiver first."""
+    for rank in range(4):
+        got = result(run, name, rank)
+        assert got["losses"] == pytest.approx(got["ref"], abs=ATOL)
+
+
 def test_save_16bit_model_writes_the_whole_model_from_every_stage(run):
     assert result(run, "save16", 0) == {"names": True, "diff": pytest.approx(0.0, abs=ATOL)}
 

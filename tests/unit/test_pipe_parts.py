@@ -193,6 +193,17 @@ def test_the_header_carries_count_dtypes_and_shapes():
         encode([torch.zeros(1, dtype=torch.float8_e4m3fn)])
 
 
+def test_one_message_carries_the_header_and_every_tensor():
+    from shardtrain.pipe.p2p import _pack, _unpack
+    parts = [torch.randn(2, 3), torch.arange(4), torch.tensor([True, False, True]),
+             torch.randn(1, 5).bfloat16(), torch.zeros(0, 2), torch.randn(3).double()]
+    message = _pack(encode(parts), parts, torch.device("cpu"))
+    assert message.dtype == torch.uint8 and message.numel() == 512 + 24 + 32 + 8 + 16 + 0 + 24
+    back = _unpack(message)
+    assert [(t.dtype, t.shape) for t in back] == [(t.dtype, t.shape) for t in parts]
+    assert all(torch.equal(a, b) for a, b in zip(back, parts))
+
+
 def test_the_pipeline_block_is_read_strictly():
     assert read_settings({}).schedule == "1f1b"
     got = read_settings({"schedule": "GPipe", "activation_checkpoint_interval": 2,

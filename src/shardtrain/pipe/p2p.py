@@ -1,9 +1,11 @@
 """Activations and their gradients between neighbouring stages: a header saying how many
-tensors follow and each one's dtype and shape, then the tensors, so any shape and dtype can
-travel (a shape that changes from one micro-batch to the next included)."""
+tensors follow and each one's dtype and shape, then the tensors, in one message, so any shape
+and dtype can travel (a shape that changes from one micro-batch to the next included, at the
+cost of one more message when the size changes)."""
 from __future__ import annotations
 
-from typing import List, Sequence
+import math
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -39,23 +41,71 @@ def decode(words: List[int]) -> List[tuple]:
     return out
 
 
+# One message per transfer: the header and the tensors' bytes in one buffer. A receive needs
+# the size of what comes, so each side remembers the size of the last message on a channel
+# (a peer and a tag; messages on it arrive in order): while the size holds, one message; when
+# it changes, the sender first sends a notice of the old size carrying the new one.
+_NOTICE = -1  # first header word of a notice (a header's is a tensor count, >= 0)
+_ALIGN = 8    # each tensor's bytes start at a multiple of this (any dtype views them)
+_sent: Dict[Tuple[int, int], int] = {}      # (destination, tag) -> bytes of the last message
+_expected: Dict[Tuple[int, int], int] = {}  # (source, tag) -> bytes the next message has
+
+
 def send_tensors(tensors: Sequence[torch.Tensor], dst: int, device: torch.device,
                  tag: int = 0) -> List[comm.Work]:
-    """Sends the header and every non-empty tensor to global rank ``dst`` (not waiting)."""
+    """Sends the tensors to global rank ``dst`` (not waiting): one message, after a notice
+    when its size differs from the last one sent to ``dst`` with ``tag``."""
     parts = [t.detach().contiguous() for t in tensors]
-    works = [comm.send(torch.tensor(encode(parts), dtype=torch.int64, device=device), dst, tag)]
-    works += [comm.send(t, dst, tag) for t in parts if t.numel()]
+    message = _pack(encode(parts), parts, device)
+    size, last = message.numel(), _sent.get((dst, tag), HEADER * 8)
+    works = []
+    if size != last:
+        notice = torch.zeros(last, dtype=torch.uint8, device=device)
+        notice[:16].view(torch.int64).copy_(torch.tensor([_NOTICE, size]))
+        works.append(comm.send(notice, dst, tag))
+    works.append(comm.send(message, dst, tag))
+    _sent[dst, tag] = size
     return works
 
 
 def recv_tensors(src: int, device: torch.device, tag: int = 0) -> List[torch.Tensor]:
-    """What global rank ``src`` sent with :func:`send_tensors`."""
-    header = torch.empty(HEADER, dtype=torch.int64, device=device)
-    comm.recv(header, src, tag)
-    out = []
-    for dtype, shape in decode(header.tolist()):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        if t.numel():
-            comm.recv(t, src, tag)
-        out.append(t)
+    """What global rank ``src`` sent with :func:`send_tensors` (views into one buffer)."""
+    size = _expected.get((src, tag), HEADER * 8)
+    message = torch.empty(size, dtype=torch.uint8, device=device)
+    comm.recv(message, src, tag)
+    words = message[:HEADER * 8].view(torch.int64).tolist()
+    if words[0] == _NOTICE:
+        size = _expected[src, tag] = words[1]
+        message = torch.empty(size, dtype=torch.uint8, device=device)
+        comm.recv(message, src, tag)
+    return _unpack(message)
+
+
+def _unpack(message: torch.Tensor) -> List[torch.Tensor]:
+    out, at = [], HEADER * 8
+    for dtype, shape in decode(message[:HEADER * 8].view(torch.int64).tolist()):
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        out.append(message[at: at + nbytes].view(dtype).view(shape))
+        at += _padded(nbytes)
     return out
+
+
+def _pack(words: List[int], parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    sizes = [t.numel() * t.element_size() for t in parts]
+    message = torch.empty(HEADER * 8 + sum(_padded(n) for n in sizes), dtype=torch.uint8,
+                          device=device)
+    message[:HEADER * 8].view(torch.int64).copy_(torch.tensor(words))
+    at = HEADER * 8
+    for t, nbytes in zip(parts, sizes):
+        if nbytes:
+            message[at: at + nbytes].view(t.dtype).copy_(t.reshape(-1))
+        at += _padded(nbytes)
+    return message
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
