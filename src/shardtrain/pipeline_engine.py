@@ -39,7 +39,7 @@ from .layout import layout_of
 from .pipe import PipelineModule, read_settings, train_actions, eval_actions
 from .pipe import PipeModelDataParallelTopology
 from .pipe import split_backward
-from .pipe.p2p import recv_tensors, send_tensors
+from .pipe.p2p import Posted, recv_tensors, send_tensors
 from .pipe.schedule import SPLIT_BACKWARD
 from .state import BackwardPass, Phase
 from .zero.strategy import ReducedGrads
@@ -210,11 +210,12 @@ class PipelineEngine(Engine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        run = _Run(self, self.micro_batches)
+        actions = self._train_actions()
+        run = _Run(self, self.micro_batches, actions)
         base = self.train_state.micro_steps
         split = self._settings.schedule in SPLIT_BACKWARD
         passes, total = 0, self.micro_batches * run.chunks
-        for kind, index, *chunk in self._train_actions():
+        for kind, index, *chunk in actions:
             if kind == "F":
                 run.forward(index, True, *chunk)
             elif kind == "B" and split:
@@ -251,10 +252,11 @@ class PipelineEngine(Engine):
         was_training = self.module.training
         self.module.eval()
         micro = num_micro_batches or self.micro_batches
-        run = _Run(self, micro, compute_loss=compute_loss, keep_outputs=return_logits)
+        actions = eval_actions(micro, self.module.virtual_stages)
+        run = _Run(self, micro, actions, compute_loss=compute_loss, keep_outputs=return_logits)
         try:
             with torch.no_grad():
-                for _, index, *chunk in eval_actions(micro, run.chunks):
+                for _, index, *chunk in actions:
                     run.forward(index, False, *chunk)
                 run.finish()
         finally:
@@ -407,8 +409,8 @@ class _Run:
     """One train_batch or eval_batch on this stage: each micro-batch's input and output
     while its backward is pending, the sends in flight, the losses."""
 
-    def __init__(self, engine: PipelineEngine, micro_batches: int, compute_loss: bool = True,
-                 keep_outputs: bool = False):
+    def __init__(self, engine: PipelineEngine, micro_batches: int, actions: List[tuple],
+                 compute_loss: bool = True, keep_outputs: bool = False):
         self.engine, self.micro = engine, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
         self.module: PipelineModule = engine.module
@@ -420,6 +422,15 @@ class _Run:
         self.labels: Dict[int, Any] = {}  # read with the inputs, when this stage is the last
         self.local: Dict[int, Deque[List[torch.Tensor]]] = {}  # by tag: what a chunk of this
         # rank sends to another chunk of it (the turn of a V)
+        # Each channel (a peer and a tag) has its next receive posted ahead, from the start of
+        # the run and again as soon as one is taken, while the actions expect more on it.
+        self.left: Dict[tuple, int] = {}
+        for kind, _, *chunk in actions:
+            channel = self._channel(kind, *chunk)
+            if channel is not None:
+                self.left[channel] = self.left.get(channel, 0) + 1
+        self.ahead = {channel: Posted(channel[0], engine.device, channel[1])
+                      for channel in self.left}
         self.losses: List[torch.Tensor] = []
         self.outputs: List[Any] = []
         self.sends: List[comm.Work] = []
@@ -472,10 +483,25 @@ class _Run:
         else:
             self.sends += send_tensors(tensors, rank, self.engine.device, tag)
 
+    def _channel(self, kind: str, chunk: int = 0) -> Optional[tuple]:
+        """(peer rank, tag) an action receives on; None: it receives from no other rank."""
+        if kind == "F" and not self._first(chunk):
+            rank, forward = self._before(chunk)[0], True
+        elif kind == "B" and not self._last(chunk):
+            rank, forward = self._after(chunk)[0], False
+        else:
+            return None
+        return None if rank == self.engine.global_rank else (rank, _tag(chunk, forward))
+
     def _recv(self, rank: int, tag: int) -> List[torch.Tensor]:
         if rank == self.engine.global_rank:
             return self.local[tag].popleft()
-        return recv_tensors(rank, self.engine.device, tag)
+        channel = (rank, tag)
+        got = recv_tensors(rank, self.engine.device, tag, self.ahead.pop(channel))
+        self.left[channel] -= 1
+        if self.left[channel]:
+            self.ahead[channel] = Posted(rank, self.engine.device, tag)
+        return got
 
     def _label(self, index: int, chunk: int, what: str) -> str:
         mb = f"micro-batch {index + 1} of {self.micro}"
@@ -624,6 +650,9 @@ class _Run:
             self.engine._give_tied_grads()
 
     def finish(self) -> None:
+        if self.ahead:
+            raise AssertionError(f"receives posted for messages that never came: "
+                                 f"{sorted(self.ahead)}")
         self.engine._action = "the last sends of the step"
         for work in self.sends:
             work.wait()

@@ -44,7 +44,7 @@ from ._groups import (MESH_DIMS, PIPELINE_DIMS, WORLD, Group, Mesh, SideGroup, i
                       set_timeout, side_group, split_groups)
 from ._ops import (ReduceOp, Work, add_observer, all_gather, all_gather_object, all_reduce,
                    all_to_all_single, barrier, broadcast, broadcast_coalesced, broadcast_object,
-                   recv, remove_observer, reduce_scatter, scatter, send)
+                   irecv, recv, remove_observer, reduce_scatter, scatter, send)
 from ._process import (FLIGHT_RECORDER_ENV, LaunchEnv, available_backends, before_destroy,
                        default_timeout, destroy, detect_launch_env, flight_recorder_prefix,
                        get_backend, get_local_rank, get_local_world_size, get_rank,
@@ -62,7 +62,7 @@ __all__ = [
     "init_distributed", "destroy", "is_initialized", "get_rank", "get_world_size",
     "get_local_rank", "get_local_world_size", "get_backend", "available_backends", "barrier",
     "ReduceOp", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "broadcast_coalesced",
-    "scatter", "all_to_all_single", "send", "recv",
+    "scatter", "all_to_all_single", "send", "recv", "irecv",
     "all_gather_object", "broadcast_object", "Work", "add_observer", "remove_observer",
     "split_groups", "CollectiveError", "DivergenceError", "set_position", "labelled", "mark",
     "set_check", "check_agreement", "set_timeout", "timeout_override", "default_timeout",

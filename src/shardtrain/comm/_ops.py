@@ -190,6 +190,14 @@ def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
     _guarded("recv", None, tensor, lambda: dist.recv(tensor, src, tag=tag), peer=src)
 
 
+def irecv(tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    """Posts a receive into ``tensor`` of what global rank ``src`` sends with :func:`send`;
+    ``wait()`` (within the collective timeout) before reading it."""
+    _notify("recv", tensor, None)
+    return Work(_guarded("recv", None, tensor, lambda: dist.irecv(tensor, src, tag=tag),
+                         peer=src), op="recv", tensor=tensor, peer=src)
+
+
 def all_gather_object(obj, group: Optional["Group"] = None) -> list:
     """Gathers one picklable object from every rank of ``group`` (small metadata only)."""
     size = get_world_size(group)

@@ -5,13 +5,13 @@ cost of one more message when the size changes)."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import comm
 
-__all__ = ["send_tensors", "recv_tensors", "encode", "decode"]
+__all__ = ["send_tensors", "recv_tensors", "Posted", "encode", "decode"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
@@ -68,11 +68,28 @@ def send_tensors(tensors: Sequence[torch.Tensor], dst: int, device: torch.device
     return works
 
 
-def recv_tensors(src: int, device: torch.device, tag: int = 0) -> List[torch.Tensor]:
-    """What global rank ``src`` sent with :func:`send_tensors` (views into one buffer)."""
-    size = _expected.get((src, tag), HEADER * 8)
-    message = torch.empty(size, dtype=torch.uint8, device=device)
-    comm.recv(message, src, tag)
+class Posted:
+    """A receive posted ahead of need: the next message from ``src`` with ``tag``, of the
+    size that channel's last message had (a notice of a new size has that size too)."""
+
+    def __init__(self, src: int, device: torch.device, tag: int):
+        self.src, self.device, self.tag = src, device, tag
+        self.message = torch.empty(_expected.get((src, tag), HEADER * 8), dtype=torch.uint8,
+                                   device=device)
+        self.work = comm.irecv(self.message, src, tag)
+
+
+def recv_tensors(src: int, device: torch.device, tag: int = 0,
+                 posted: Optional[Posted] = None) -> List[torch.Tensor]:
+    """What global rank ``src`` sent with :func:`send_tensors` (views into one buffer);
+    ``posted``: its receive, posted ahead."""
+    if posted is None:
+        message = torch.empty(_expected.get((src, tag), HEADER * 8), dtype=torch.uint8,
+                              device=device)
+        comm.recv(message, src, tag)
+    else:
+        posted.work.wait()
+        message = posted.message
     words = message[:HEADER * 8].view(torch.int64).tolist()
     if words[0] == _NOTICE:
         size = _expected[src, tag] = words[1]
