@@ -6,17 +6,21 @@ receives its input from the previous stage (the first stage reads the data itera
 the stage's layers through :class:`~shardtrain.engine.Engine`'s forward (precision, ZeRO,
 telemetry as for any model) and sends the output on (the last stage applies ``loss_fn``); a
 backward receives the output's gradient, backpropagates through the stage and sends the
-input's gradient back (with virtual stages, a rank's chunks feed each other through the
-last stage). Gradients reduce over the stage's data-parallel group at the rank's last
-backward (the accumulation boundary), as without stages; the global norm adds
-every stage's part; tied weights reach their owner's gradient before that reduction, and
-their new values go back to the other stages after the step.
+input's gradient back (with virtual stages, a rank's chunks feed each other across the
+stages, or within the last stage at the turn of a V). The zero-bubble V splits a backward
+into its input half (plain autograd, outside the engine's passes) and its weight half (the
+engine's backward pass; :mod:`shardtrain.pipe.split_backward`). Gradients reduce over the
+stage's data-parallel group at the rank's last pass (the accumulation boundary), as without
+stages; the global norm adds every stage's part; tied weights reach their owner's gradient
+before that reduction, and their new values go back to the other stages after the step.
+Each channel's next receive is posted ahead (:mod:`shardtrain.pipe.p2p`).
 
 The schedules run on shardtrain's own point-to-point sends rather than on
 ``torch.distributed.pipelining``'s stage objects: those drive backward themselves and keep no
 place for the engine's gradient reduction at the accumulation boundary, for the tied weights'
 gradient before it, or for the collective bounds and reports of ``shardtrain.comm``; the action
-lists are the same 1F1B, GPipe and interleaved 1F1B orders.
+lists are the same 1F1B, GPipe and interleaved 1F1B orders, and the zero-bubble V's is a
+simulation of its own (torch's ``ScheduleZBVZeroBubble`` places the chunks the same way).
 """
 from __future__ import annotations
 
