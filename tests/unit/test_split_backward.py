@@ -90,3 +90,14 @@ def test_the_halves_do_one_backwards_work():
         half.run()
     # each linear layer's backward is two products of 32 x 64 x 64: one per half
     assert first.get_total_flops() == second.get_total_flops() == whole.get_total_flops() // 2
+
+
+def test_a_region_whose_backward_runs_whole_is_refused_by_name():
+    """Reentrant checkpointing computes its weights' gradients inside the input half: named,
+    with the fix."""
+    import pytest
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = checkpoint(layer, x, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="CheckpointFunctionBackward.*use_reentrant"):
+        input_grads([out], [torch.ones_like(out)], [x], list(layer.parameters()))

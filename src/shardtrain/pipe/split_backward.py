@@ -82,6 +82,15 @@ def input_grads(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         return WeightGrads([([_edge(t) for t, _ in pairs], [g for _, g in pairs], params, [])])
     root_nodes = [_edge(t).node for t, _ in pairs]
     users = _users(root_nodes)
+    whole = sorted({node.name() for node in users if node.name() in _WHOLE_BACKWARD})
+    if whole:
+        raise RuntimeError(
+            f"the zero-bubble schedule splits each backward in two, but this stage's graph has "
+            f"{', '.join(whole)}: a region whose backward runs whole, its weights' gradients "
+            "included, inside the input half (reentrant activation checkpointing, or "
+            "partition_activations). Use the non-reentrant variant (shardtrain's default; for "
+            "a Hugging Face model gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{\"use_reentrant\": False})), or another pipeline.schedule.")
     on_input_path = _above(users, [_edge(x).node for x in inputs])
     groups = _groups(users, on_input_path, {_edge(p).node: p for p in params},
                      set(root_nodes))
@@ -114,6 +123,10 @@ def input_grads(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         if edges:
             passes.append((edges, values, group_params, clamped))
     return WeightGrads(passes)
+
+
+#: autograd nodes that run a whole backward of their own inside (reentrant checkpointing)
+_WHOLE_BACKWARD = ("CheckpointFunctionBackward", "_PartitionedRegionBackward")
 
 
 def _edge(t: torch.Tensor) -> GradientEdge:
