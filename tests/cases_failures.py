@@ -90,12 +90,31 @@ class Blocks(torch.nn.Module):
 
 
 def skipped_module(rank: int, world_size: int) -> Dict[str, Any]:
-    """At ZeRO stage 3, rank 1 skips the forward of ``blocks.1`` in step 2."""
-    return _train(rank, {"zero_optimization": {"stage": 3,
-                                               "stage3_param_persistence_threshold": 0}},
-                  Blocks(), lambda step, micro: None, gas=1,
-                  forward_kwargs=lambda step, micro: {"skip": 1 if rank == 1 and step == 1
-                                                      else None})
+    """At ZeRO stage 3, rank 1 skips the forward of ``blocks.1`` in step 2. Both ranks' reports
+    are checked, and each reads the other's trail through the store rank 0 hosts: no rank ends
+    before every rank has written its report."""
+    got = _train(rank, {"zero_optimization": {"stage": 3,
+                                              "stage3_param_persistence_threshold": 0}},
+                 Blocks(), lambda step, micro: None, gas=1,
+                 forward_kwargs=lambda step, micro: {"skip": 1 if rank == 1 and step == 1
+                                                     else None})
+    _rank0_waits_for_every_report(rank, world_size)
+    return got
+
+
+def _rank0_waits_for_every_report(rank: int, world_size: int, seconds: float = 30.0) -> None:
+    """Rank 0, which hosts the store, ends only once every rank has written its report: a
+    file per rank (named by this launch's port) says so, outside the broken process group."""
+    marks = [f"/tmp/shardtrain-failures-{os.environ['MASTER_PORT']}-{r}" for r in range(world_size)]
+    open(marks[rank], "w").close()
+    if rank != 0:
+        return
+    deadline = time.monotonic() + seconds
+    while not all(os.path.exists(m) for m in marks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for mark in marks:
+        if os.path.exists(mark):
+            os.remove(mark)
 
 
 def bucket_sizes(rank: int, world_size: int) -> Dict[str, Any]:
