@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -86,6 +87,9 @@ def main() -> None:
             engine.save_checkpoint(args.ckpt, client_state={"losses": losses})
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if engine.global_steps == args.die_at and rank == args.die_rank and restarts == 0:
+            # the others are then blocked in the next step's first collective, the place whose
+            # report the test reads (torchrun stops a worker that is not at once)
+            time.sleep(2.0)
             os.kill(os.getpid(), signal.SIGKILL)
 
     seen = comm.all_gather_object({"rank": rank, "local_rank_arg": local_rank_arg,
