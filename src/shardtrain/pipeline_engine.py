@@ -423,6 +423,10 @@ class _Run:
         self.inputs: Dict[tuple, List[torch.Tensor]] = {}   # (micro-batch, chunk) ->
         self.outputs_alive: Dict[tuple, Any] = {}
         self.weight_halves: Dict[tuple, split_backward.WeightGrads] = {}
+        #: what a weight half accumulates into: the trainable parameters and the tied
+        #: weights' copies (listed once a run, not at every input half)
+        self.leaves = [t for t in (*self.module.parameters(), *self.module.buffers())
+                       if t.requires_grad]
         self.labels: Dict[int, Any] = {}  # read with the inputs, when this stage is the last
         self.local: Dict[int, Deque[List[torch.Tensor]]] = {}  # by tag: what a chunk of this
         # rank sends to another chunk of it (the turn of a V)
@@ -594,7 +598,7 @@ class _Run:
         received = [t for t in self.inputs.get((index, chunk), []) if t.is_floating_point()]
         with _outside_engine_pass(engine):
             self.weight_halves[index, chunk] = split_backward.input_grads(
-                [t for t, _ in pairs], [g for _, g in pairs], received, self._leaves())
+                [t for t, _ in pairs], [g for _, g in pairs], received, self.leaves)
         self._send_input_grads(index, chunk)
 
     def weight_backward(self, index: int, last: bool, chunk: int) -> None:
@@ -605,12 +609,6 @@ class _Run:
         self.engine._action = self._label(index, chunk, "backward of the weights")
         _engine_pass(self.engine, lambda: half.run(extra=[(t.tensor, g) for t, g in tied]))
         self._tied_after(index, chunk, last)
-
-    def _leaves(self) -> List[torch.Tensor]:
-        """What a weight half accumulates into: the trainable parameters and the tied
-        weights' copies."""
-        module = self.module
-        return [t for t in (*module.parameters(), *module.buffers()) if t.requires_grad]
 
     def _output_grads(self, index: int, chunk: int, produced: List[torch.Tensor]) -> list:
         """(output, its gradient from the chunk after) for each output that needs one."""

@@ -101,7 +101,7 @@ def recv_tensors(src: int, device: torch.device, tag: int = 0,
 def _unpack(message: torch.Tensor) -> List[torch.Tensor]:
     out, at = [], HEADER * 8
     for dtype, shape in decode(message[:HEADER * 8].view(torch.int64).tolist()):
-        nbytes = math.prod(shape) * _itemsize(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         out.append(message[at: at + nbytes].view(dtype).view(shape))
         at += _padded(nbytes)
     return out
@@ -123,6 +123,3 @@ def _pack(words: List[int], parts: Sequence[torch.Tensor], device: torch.device)
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
